@@ -1,0 +1,31 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="steprl_jax",
+    version="0.1.0",
+    description="Step-wise RL (SWiRL, PORTool, GRPO, DAPO, ARPO) for tool-using LLM agents in JAX/Flax",
+    python_requires=">=3.10",
+    packages=find_packages(include=["steprl_jax", "steprl_jax.*"]),
+    install_requires=[
+        "jax>=0.7,<0.11",
+        "flax>=0.12,<0.13",
+        "optax>=0.2.5,<0.3",
+        "orbax-checkpoint>=0.11,<0.13",
+        "tensorstore>=0.1.70",
+        "ml-collections>=1.0,<2",
+        "transformers>=4.56,<6",
+        "tokenizers>=0.21,<1",
+        "safetensors>=0.5,<1",
+        "gguf>=0.17,<1",
+        "numpy>=1.26,<3",
+        "jsonschema>=4.20,<5",
+        "bm25s>=0.2.10,<0.4",
+        "tqdm>=4.66",
+        "matplotlib>=3.8",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "hypothesis>=6.100", "torch==2.13.0", "accelerate>=1.0"],
+        "tpu": ["jax[tpu]>=0.7,<0.11"],
+        "gpu": ["jax[cuda12]>=0.7,<0.11"],
+    },
+)
