@@ -1,0 +1,143 @@
+"""Per-token log-probs (and entropies) of target tokens, chunked over the sequence.
+
+This is THE log-prob function of the project: the sampler calls it on decode-step hidden
+states ([B, 1, D]) to record the sampling log-probs, the trainer calls it on [B, T, D] to
+recompute them. Using one function (same dtype policy, softmax in float32) is what keeps the
+importance ratio at exactly 1 on the first update after sampling.
+
+Definition, per position (b, t):
+
+    z      = softcap(hidden[b, t] @ unembed.T) / temperature      # [V], float32
+    logp   = z[target[b, t]] - logsumexp(z)                       # log-softmax of logits/T
+    entropy = logsumexp(z) - sum_v softmax(z)_v * z_v
+
+`softcap(x) = c * tanh(x / c)` when `final_softcap=c` (Gemma), identity otherwise; it is applied
+to the raw logits before dividing by the temperature, the same order a sampler uses.
+
+Memory: the sequence axis is cut into chunks of `chunk_size` positions; each chunk's
+[B, chunk, V] float32 logits live only inside a `jax.checkpoint`ed scan body, so neither the
+forward nor the backward pass ever holds the full [B, T, V] array (the backward recomputes one
+chunk's logits at a time). The batch axis is never reshaped, so a batch sharded over the data
+axes stays sharded; a vocab-sharded unembedding stays vocab-sharded (XLA reduces the
+logsumexp across shards).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+DEFAULT_CHUNK_SIZE = 128
+
+
+def _check_inputs(hidden_btd, unembed_vd, targets_bt, temperature, final_softcap, chunk_size):
+    if hidden_btd.ndim != 3:
+        raise ValueError(f"hidden_btd must be [batch, length, hidden], got shape {hidden_btd.shape}")
+    if unembed_vd.ndim != 2:
+        raise ValueError(f"unembed_vd must be [vocab, hidden], got shape {unembed_vd.shape}")
+    if targets_bt.shape != hidden_btd.shape[:2]:
+        raise ValueError(
+            f"targets_bt shape {targets_bt.shape} does not match hidden_btd batch/length "
+            f"{hidden_btd.shape[:2]}")
+    if unembed_vd.shape[1] != hidden_btd.shape[2]:
+        raise ValueError(
+            f"hidden size mismatch: hidden_btd has {hidden_btd.shape[2]}, unembed_vd has "
+            f"{unembed_vd.shape[1]}")
+    if not jnp.issubdtype(targets_bt.dtype, jnp.integer):
+        raise ValueError(f"targets_bt must be integer token ids, got dtype {targets_bt.dtype}")
+    if isinstance(temperature, (int, float)) and not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if final_softcap is not None and not final_softcap > 0:
+        raise ValueError(f"final_softcap must be None or > 0, got {final_softcap}")
+    if int(chunk_size) < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+
+
+def scaled_logits(hidden_bcd, unembed_vd, *, temperature=1.0, final_softcap=None,
+                  compute_dtype=None):
+    """float32 `softcap(h @ W.T) / temperature` for one chunk: [..., D] -> [..., V].
+
+    `compute_dtype` (e.g. jnp.bfloat16) casts both operands for the matmul; accumulation is
+    float32 either way (`preferred_element_type`).
+    """
+    if compute_dtype is not None:
+        hidden_bcd = hidden_bcd.astype(compute_dtype)
+        unembed_vd = unembed_vd.astype(compute_dtype)
+    logits = jnp.einsum("...d,vd->...v", hidden_bcd, unembed_vd,
+                        preferred_element_type=jnp.float32).astype(jnp.float32)
+    if final_softcap is not None:
+        logits = final_softcap * jnp.tanh(logits / final_softcap)
+    return logits / temperature
+
+
+def _chunk_stats(hidden_bcd, targets_bc, unembed_vd, temperature, final_softcap, compute_dtype,
+                 with_entropy):
+    z_bcv = scaled_logits(hidden_bcd, unembed_vd, temperature=temperature,
+                          final_softcap=final_softcap, compute_dtype=compute_dtype)
+    lse_bc = jax.nn.logsumexp(z_bcv, axis=-1)
+    z_target_bc = jnp.take_along_axis(z_bcv, targets_bc[..., None], axis=-1)[..., 0]
+    logp_bc = z_target_bc - lse_bc
+    if not with_entropy:
+        return logp_bc, jnp.zeros_like(logp_bc)
+    # -sum p log p on the shifted logits: no cancellation between two large numbers.
+    logsm_bcv = z_bcv - lse_bc[..., None]
+    entropy_bc = -jnp.sum(jnp.exp(logsm_bcv) * logsm_bcv, axis=-1)
+    return logp_bc, entropy_bc
+
+
+def token_logprobs(hidden_btd: jax.Array, unembed_vd: jax.Array, targets_bt: jax.Array, *,
+                   temperature: float | jax.Array = 1.0, final_softcap: Optional[float] = None,
+                   chunk_size: int = DEFAULT_CHUNK_SIZE, with_entropy: bool = False,
+                   compute_dtype=None):
+    """float32 log pi(targets | hidden) per position, plus entropies if `with_entropy`.
+
+    Args:
+      hidden_btd: final-normed hidden states [B, T, D] (T may be 1 for decoding).
+      unembed_vd: unembedding [V, D] (the embedding table when tied).
+      targets_bt: int token ids [B, T] whose log-probs are wanted.
+      temperature: log-softmax is taken of `logits / temperature` (scalar, may be traced).
+      final_softcap: the model's final-logit softcap, or None.
+      chunk_size: sequence positions per chunk; peak extra memory is ~B*chunk*V*4 bytes x a few.
+      with_entropy: also return the entropy of softmax(logits / temperature).
+      compute_dtype: matmul operand dtype (None: as given); accumulation is always float32.
+
+    Returns:
+      logp_bt float32 [B, T], or (logp_bt, entropy_bt) when `with_entropy`.
+    """
+    _check_inputs(hidden_btd, unembed_vd, targets_bt, temperature, final_softcap, chunk_size)
+    b, t, d = hidden_btd.shape
+    c = min(int(chunk_size), t)
+    n_chunks = -(-t // c)
+    pad = n_chunks * c - t
+    if pad:
+        hidden_btd = jnp.pad(hidden_btd, ((0, 0), (0, pad), (0, 0)))
+        targets_bt = jnp.pad(targets_bt, ((0, 0), (0, pad)))
+    # [n_chunks, B, c, ...]: scan over the chunk axis, batch axis untouched.
+    hidden_nbcd = jnp.moveaxis(hidden_btd.reshape(b, n_chunks, c, d), 1, 0)
+    targets_nbc = jnp.moveaxis(targets_bt.reshape(b, n_chunks, c), 1, 0)
+
+    @jax.checkpoint
+    def body(hidden_bcd, targets_bc):
+        return _chunk_stats(hidden_bcd, targets_bc, unembed_vd, temperature, final_softcap,
+                            compute_dtype, with_entropy)
+
+    if n_chunks == 1:
+        logp_nbc, ent_nbc = jax.tree.map(lambda x: x[None], body(hidden_nbcd[0], targets_nbc[0]))
+    else:
+        _, (logp_nbc, ent_nbc) = jax.lax.scan(
+            lambda carry, xs: (carry, body(*xs)), None, (hidden_nbcd, targets_nbc))
+    logp_bt = jnp.moveaxis(logp_nbc, 0, 1).reshape(b, n_chunks * c)[:, :t]
+    if not with_entropy:
+        return logp_bt
+    entropy_bt = jnp.moveaxis(ent_nbc, 0, 1).reshape(b, n_chunks * c)[:, :t]
+    return logp_bt, entropy_bt
+
+
+def naive_token_logprobs(hidden_btd, unembed_vd, targets_bt, *, temperature=1.0,
+                         final_softcap=None, with_entropy=False, compute_dtype=None):
+    """Reference path that materialises [B, T, V] float32 logits (tests and benchmarks only)."""
+    _check_inputs(hidden_btd, unembed_vd, targets_bt, temperature, final_softcap, 1)
+    return_val = _chunk_stats(hidden_btd, targets_bt, unembed_vd, temperature, final_softcap,
+                              compute_dtype, with_entropy)
+    return return_val if with_entropy else return_val[0]
