@@ -1,0 +1,319 @@
+"""The decoder family (Llama/SmolLM, Qwen2/2.5, Qwen3, Gemma 2, Gemma 3) as one Flax NNX module.
+
+Layer parameters are stacked on a leading `layers` axis and the layers run under
+`jax.lax.scan`: one compiled layer instead of `num_layers` copies, which keeps
+compile times short on CPU and TPU alike. Per-layer differences (Gemma's local
+vs global layers, their rope bases) are scanned data, not Python branches.
+
+Activations stay float32; every matmul goes through `_mm`, which casts its inputs
+to the compute dtype and accumulates in float32 (bf16-in/f32-out is the fast
+path on CPU and TPU; float32 is exact for parity tests).
+
+Shapes: B batch, T query length, S key length (cache slots), D hidden, N query
+heads, K kv heads, G = N // K, H head dim, F mlp width, V vocab, L layers.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from steprl_jax.models.config import ModelConfig, RopeConfig
+
+_MASKED = -1e30  # finite, so a fully masked (padding) query row gives no NaN
+
+
+def _mm(eq: str, x, w, dtype):
+    return jnp.einsum(eq, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32)
+
+
+def _rms_norm(x, w, eps: float, plus_one: bool):
+    x = x.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    return x * (1.0 + w if plus_one else w)
+
+
+def _inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
+    inv_freq = 1.0 / (rope.theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if rope.kind == "linear":
+        inv_freq = inv_freq / rope.factor
+    elif rope.kind == "llama3":
+        low_wavelen = rope.original_max_position / rope.low_freq_factor
+        high_wavelen = rope.original_max_position / rope.high_freq_factor
+        wavelen = 2 * np.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (rope.original_max_position / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = np.where(medium, smoothed, scaled)
+    return inv_freq.astype(np.float32)
+
+
+def rope_tables(positions_bt, rope: RopeConfig, head_dim: int):
+    """cos, sin of shape [B, T, H] (rotate-half layout, as in Hugging Face)."""
+    freqs = positions_bt.astype(jnp.float32)[..., None] * jnp.asarray(_inv_freq(rope, head_dim))
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def _apply_rope(x_btnh, cos_bth, sin_bth):
+    half = x_btnh.shape[-1] // 2
+    rotated = jnp.concatenate([-x_btnh[..., half:], x_btnh[..., :half]], axis=-1)
+    return x_btnh * cos_bth[:, :, None, :] + rotated * sin_bth[:, :, None, :]
+
+
+class KVCache(NamedTuple):
+    """Keys and values of every layer, in slots.
+
+    All rows write at the same slot `index` (so the write is one dynamic slice);
+    rows that have fewer new tokens than others are left-padded with empty slots
+    (`slot_pos == -1`), which attention ignores. `slot_pos[b, s]` is the rotary
+    position of the token held in slot `s` of row `b`.
+    """
+
+    k: jax.Array  # [L, B, S, K, H]
+    v: jax.Array  # [L, B, S, K, H]
+    slot_pos: jax.Array  # [B, S] int32, -1 where empty
+    index: jax.Array  # [] int32, next slot to write
+
+    @classmethod
+    def init(cls, config: ModelConfig, batch: int, length: int, dtype=None) -> "KVCache":
+        dtype = dtype or jnp.dtype(config.compute_dtype)
+        shape = (config.num_layers, batch, length, config.num_kv_heads, config.head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+                   jnp.full((batch, length), -1, jnp.int32), jnp.zeros((), jnp.int32))
+
+    @property
+    def length(self) -> int:
+        return self.slot_pos.shape[1]
+
+    def take_rows(self, rows) -> "KVCache":
+        """Cache rows `rows` (e.g. [0, 0, 0, 1, 1, 1] forks two sequences three ways each)."""
+        rows = jnp.asarray(rows, jnp.int32)
+        return KVCache(self.k[:, rows], self.v[:, rows], self.slot_pos[rows], self.index)
+
+    def bytes(self) -> int:
+        return 2 * self.k.size * self.k.dtype.itemsize + self.slot_pos.size * 4
+
+
+def _param(rngs, shape, axes, init="normal", std=0.02):
+    if init == "normal":
+        value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+    elif init == "ones":
+        value = jnp.ones(shape, jnp.float32)
+    else:
+        value = jnp.zeros(shape, jnp.float32)
+    return nnx.Param(value, logical_axes=axes)
+
+
+class DecoderLayers(nnx.Module):
+    """All decoder layers, parameters stacked on a leading `layers` axis."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c = config
+        L, D, N, K, H, F = c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
+        norm_init = "zeros" if c.norm_plus_one else "ones"
+        self.attn_norm = _param(rngs, (L, D), ("layers", "norm"), norm_init)
+        self.q = _param(rngs, (L, D, N, H), ("layers", "embed", "heads", "kv"))
+        self.k = _param(rngs, (L, D, K, H), ("layers", "embed", "kv_heads", "kv"))
+        self.v = _param(rngs, (L, D, K, H), ("layers", "embed", "kv_heads", "kv"))
+        self.o = _param(rngs, (L, N, H, D), ("layers", "heads", "kv", "embed"))
+        if c.qkv_bias:
+            self.q_bias = _param(rngs, (L, N, H), ("layers", "heads", "kv"))
+            self.k_bias = _param(rngs, (L, K, H), ("layers", "kv_heads", "kv"))
+            self.v_bias = _param(rngs, (L, K, H), ("layers", "kv_heads", "kv"))
+        if c.qk_norm:
+            self.q_norm = _param(rngs, (L, H), ("layers", "norm"), norm_init)
+            self.k_norm = _param(rngs, (L, H), ("layers", "norm"), norm_init)
+        if c.sandwich_norms:
+            self.attn_out_norm = _param(rngs, (L, D), ("layers", "norm"), norm_init)
+            self.mlp_out_norm = _param(rngs, (L, D), ("layers", "norm"), norm_init)
+        self.mlp_norm = _param(rngs, (L, D), ("layers", "norm"), norm_init)
+        self.gate = _param(rngs, (L, D, F), ("layers", "embed", "mlp"))
+        self.up = _param(rngs, (L, D, F), ("layers", "embed", "mlp"))
+        self.down = _param(rngs, (L, F, D), ("layers", "mlp", "embed"))
+
+    def stacked(self) -> dict:
+        return {name: value.get_value() for name, value in vars(self).items() if isinstance(value, nnx.Param)}
+
+
+class Transformer(nnx.Module):
+    """Decoder-only transformer. `model(input_ids)` returns float32 logits [B, T, V]."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        c = config
+        self.embed = _param(rngs, (c.vocab_size, c.hidden_size), ("vocab", "embed"))
+        self.layers = DecoderLayers(c, rngs=rngs)
+        self.final_norm = _param(rngs, (c.hidden_size,), ("norm",), "zeros" if c.norm_plus_one else "ones")
+        if not c.tie_embeddings:
+            self.lm_head = _param(rngs, (c.vocab_size, c.hidden_size), ("vocab", "embed"))
+
+    # --------------------------------------------------------------- public API
+    def __call__(self, input_ids_bt, *, positions_bt=None, attention_mask_bt=None, segment_ids_bt=None):
+        hidden = self.hidden_states(input_ids_bt, positions_bt=positions_bt,
+                                    attention_mask_bt=attention_mask_bt, segment_ids_bt=segment_ids_bt)
+        return self.logits_from_hidden(hidden)
+
+    def hidden_states(self, input_ids_bt, *, positions_bt=None, attention_mask_bt=None, segment_ids_bt=None):
+        """Final-normed hidden states [B, T, D] for a full sequence (no cache).
+
+        `attention_mask_bt` (1 = real token) marks padding; it is never inferred
+        from token ids. `segment_ids_bt` separates packed sequences. Positions
+        default to the count of real tokens before each token (within its segment).
+        """
+        input_ids_bt = jnp.asarray(input_ids_bt)
+        if input_ids_bt.ndim != 2:
+            raise ValueError(f"input_ids must be [batch, length], got shape {input_ids_bt.shape}")
+        B, T = input_ids_bt.shape
+        valid_bt = (jnp.ones((B, T), bool) if attention_mask_bt is None
+                    else jnp.asarray(attention_mask_bt).astype(bool))
+        segments_bt = (jnp.zeros((B, T), jnp.int32) if segment_ids_bt is None
+                       else jnp.asarray(segment_ids_bt, jnp.int32))
+        if positions_bt is None:
+            positions_bt = _default_positions(valid_bt, segments_bt)
+        positions_bt = jnp.asarray(positions_bt, jnp.int32)
+        idx = jnp.arange(T)
+        mask_bts = (
+            (idx[None, :, None] >= idx[None, None, :])
+            & valid_bt[:, None, :]
+            & (segments_bt[:, :, None] == segments_bt[:, None, :])
+        )
+        x = self._embed(input_ids_bt)
+        x, _ = self._run_layers(x, positions_bt, mask_bts, positions_bt, cache=None)
+        return self._final_norm(x)
+
+    def extend(self, input_ids_bt, positions_bt, cache: KVCache):
+        """Append T tokens per row to `cache`, returning (hidden [B, T, D], new cache).
+
+        `positions_bt[b, t] == -1` marks a padding slot (a row with fewer new
+        tokens than the others). The caller guarantees `cache.index + T <= cache.length`.
+        Prefill is `extend` on an empty cache; decoding is `extend` with T = 1.
+        """
+        input_ids_bt = jnp.asarray(input_ids_bt)
+        positions_bt = jnp.asarray(positions_bt, jnp.int32)
+        T = input_ids_bt.shape[1]
+        slot_pos = jax.lax.dynamic_update_slice(cache.slot_pos, positions_bt, (0, cache.index))
+        q_pos = jnp.maximum(positions_bt, 0)
+        mask_bts = (slot_pos[:, None, :] >= 0) & (slot_pos[:, None, :] <= q_pos[:, :, None])
+        x = self._embed(input_ids_bt)
+        x, (k, v) = self._run_layers(x, q_pos, mask_bts, slot_pos, cache=(cache.k, cache.v, cache.index))
+        return self._final_norm(x), KVCache(k, v, slot_pos, cache.index + T)
+
+    def prefill(self, input_ids_bt, positions_bt, cache_length: int):
+        cache = KVCache.init(self.config, input_ids_bt.shape[0], cache_length)
+        return self.extend(input_ids_bt, positions_bt, cache)
+
+    def decode(self, token_b, position_b, cache: KVCache):
+        hidden, cache = self.extend(token_b[:, None], position_b[:, None], cache)
+        return hidden[:, 0], cache
+
+    def unembedding(self):
+        """[V, D] output embedding (the input embedding when tied)."""
+        return (self.embed if self.config.tie_embeddings else self.lm_head).get_value()
+
+    def logits_from_hidden(self, hidden):
+        logits = _mm("...d,vd->...v", hidden, self.unembedding(), jnp.dtype(self.config.compute_dtype))
+        return softcap(logits, self.config.final_logit_softcap)
+
+    # ------------------------------------------------------------- internals
+    def _embed(self, ids):
+        x = jnp.take(self.embed.get_value(), ids, axis=0).astype(jnp.float32)
+        if self.config.embed_scale:
+            x = x * jnp.float32(np.sqrt(self.config.hidden_size))
+        return x
+
+    def _final_norm(self, x):
+        return _rms_norm(x, self.final_norm.get_value(), self.config.rms_norm_eps, self.config.norm_plus_one)
+
+    def _run_layers(self, x, q_pos_bt, mask_bts, key_pos_bs, cache):
+        c = self.config
+        dtype = jnp.dtype(c.compute_dtype)
+        cos_g, sin_g = rope_tables(q_pos_bt, c.rope, c.head_dim)
+        local_rope = c.local_rope or c.rope
+        cos_l, sin_l = rope_tables(q_pos_bt, local_rope, c.head_dim)
+        window_mask = mask_bts
+        if c.sliding_window:
+            # Hugging Face: a key is visible when q_pos - k_pos < sliding_window.
+            window_mask = mask_bts & (q_pos_bt[:, :, None] - key_pos_bs[:, None, :] < c.sliding_window)
+        params = self.layers.stacked()
+        sliding = jnp.asarray(c.layer_is_sliding)
+
+        def layer(carry, xs):
+            h, kv = carry
+            p, is_sliding, layer_idx = xs
+            cos = jnp.where(is_sliding, cos_l, cos_g)
+            sin = jnp.where(is_sliding, sin_l, sin_g)
+            mask = jnp.where(is_sliding, window_mask, mask_bts)
+            h, kv = _decoder_layer(c, dtype, p, h, cos, sin, mask, kv, layer_idx)
+            return (h, kv), None
+
+        kv0 = None if cache is None else cache
+        (x, kv), _ = jax.lax.scan(layer, (x, kv0), (params, sliding, jnp.arange(c.num_layers)))
+        return x, (None if kv is None else kv[:2])
+
+
+def softcap(x, cap: Optional[float]):
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+def _default_positions(valid_bt, segments_bt):
+    T = valid_bt.shape[1]
+    idx = jnp.arange(T)[None, :]
+    starts = jnp.concatenate(
+        [jnp.ones_like(segments_bt[:, :1], bool), segments_bt[:, 1:] != segments_bt[:, :-1]], axis=1)
+    start_idx = jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
+    count = jnp.cumsum(valid_bt.astype(jnp.int32), axis=1)
+    count_before_segment = jnp.take_along_axis(count - valid_bt.astype(jnp.int32), start_idx, axis=1)
+    return jnp.maximum(count - count_before_segment - 1, 0)
+
+
+def _decoder_layer(c: ModelConfig, dtype, p: dict, x, cos, sin, mask_bts, kv, layer_idx):
+    eps, plus_one = c.rms_norm_eps, c.norm_plus_one
+    h = _rms_norm(x, p["attn_norm"], eps, plus_one)
+    q = _mm("btd,dnh->btnh", h, p["q"], dtype)
+    k = _mm("btd,dkh->btkh", h, p["k"], dtype)
+    v = _mm("btd,dkh->btkh", h, p["v"], dtype)
+    if c.qkv_bias:
+        q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
+    if c.qk_norm:
+        q = _rms_norm(q, p["q_norm"], eps, plus_one)
+        k = _rms_norm(k, p["k_norm"], eps, plus_one)
+    q = _apply_rope(q, cos, sin)
+    k = _apply_rope(k, cos, sin)
+    if kv is not None:
+        k_all, v_all, index = kv
+        k_layer = jax.lax.dynamic_update_slice(k_all[layer_idx], k.astype(k_all.dtype), (0, index, 0, 0))
+        v_layer = jax.lax.dynamic_update_slice(v_all[layer_idx], v.astype(v_all.dtype), (0, index, 0, 0))
+        k_all = jax.lax.dynamic_update_index_in_dim(k_all, k_layer, layer_idx, 0)
+        v_all = jax.lax.dynamic_update_index_in_dim(v_all, v_layer, layer_idx, 0)
+        k, v, kv = k_layer, v_layer, (k_all, v_all, index)
+    attn = _attention(c, dtype, q, k, v, mask_bts)
+    out = _mm("btnh,nhd->btd", attn, p["o"], dtype)
+    if c.sandwich_norms:
+        out = _rms_norm(out, p["attn_out_norm"], eps, plus_one)
+    x = x + out
+    h = _rms_norm(x, p["mlp_norm"], eps, plus_one)
+    gate = _mm("btd,df->btf", h, p["gate"], dtype)
+    up = _mm("btd,df->btf", h, p["up"], dtype)
+    act = jax.nn.silu(gate) if c.activation == "silu" else jax.nn.gelu(gate, approximate=True)
+    out = _mm("btf,fd->btd", act * up, p["down"], dtype)
+    if c.sandwich_norms:
+        out = _rms_norm(out, p["mlp_out_norm"], eps, plus_one)
+    return x + out, kv
+
+
+def _attention(c: ModelConfig, dtype, q_btnh, k_bskh, v_bskh, mask_bts):
+    B, T, N, H = q_btnh.shape
+    K = k_bskh.shape[2]
+    q_btkgh = q_btnh.reshape(B, T, K, N // K, H)
+    logits = _mm("btkgh,bskh->bkgts", q_btkgh * c.attn_scale, k_bskh, dtype)
+    logits = softcap(logits, c.attn_logit_softcap)
+    logits = jnp.where(mask_bts[:, None, None], logits, _MASKED)
+    probs = jax.nn.softmax(logits, axis=-1)
+    out = _mm("bkgts,bskh->btkgh", probs, v_bskh, dtype)
+    return out.reshape(B, T, N, H)
