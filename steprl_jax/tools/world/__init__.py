@@ -1,0 +1,1 @@
+"""The assistant tool world (PORTool's environment): seeded data, tools, and queries with reference plans."""
