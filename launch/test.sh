@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The project's test command (README quick start): sets up .venv with the test
+# extra if needed, then runs pytest on CPU JAX with 8 virtual devices.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+EXTRAS="[test]" . launch/_env.sh
+export JAX_PLATFORMS=cpu
+exec python -m pytest -q -p no:cacheprovider tests "$@"
