@@ -17,7 +17,7 @@ def check_finite(name: str, array) -> None:
     bad = ~np.isfinite(a)
     if bad.any():
         idx = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise ValueError(f"{name} holds a non-finite value {a[idx]!r} at index {idx} "
+        raise ValueError(f"{name} holds a non-finite value {float(a[idx])} at index {idx} "
                          f"({int(bad.sum())} non-finite entries)")
 
 
