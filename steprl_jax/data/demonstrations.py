@@ -1,0 +1,65 @@
+"""Expert demonstrations in the two action formats, as text segments another module can tokenise.
+
+A demonstration is a prompt followed by steps; each step is the action text (what the
+policy would generate) and the observation text appended after it (empty after the final
+answer). `as_messages()` gives the same content as chat messages: the action as `assistant`,
+the observation as `tool`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from steprl_jax.agents.formats import (
+    render_tagged_action, render_tagged_observation, render_tool_call_step, render_tool_responses)
+from steprl_jax.tools.protocol import ToolResult
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoStep:
+    action: str
+    observation: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Demonstration:
+    prompt: str
+    steps: tuple[DemoStep, ...]
+    format: str  # "tags" | "tool_call"
+
+    def as_text(self) -> str:
+        return self.prompt + "\n" + "".join(step.action + step.observation for step in self.steps)
+
+    def as_messages(self, system: str | None = None) -> list[dict]:
+        messages = [{"role": "system", "content": system}] if system else []
+        messages.append({"role": "user", "content": self.prompt})
+        for step in self.steps:
+            messages.append({"role": "assistant", "content": step.action})
+            if step.observation:
+                messages.append({"role": "tool", "content": step.observation.strip()})
+        return messages
+
+
+def tagged_demonstration(question: str, steps: list[tuple[str, str, str]], answer: str) -> Demonstration:
+    """SWiRL tags: `steps` are (kind, content, result) with kind "search" or "math"."""
+    rendered = [DemoStep(render_tagged_action(kind, content), render_tagged_observation(content, result))
+                for kind, content, result in steps]
+    rendered.append(DemoStep(render_tagged_action("answer", answer)))
+    return Demonstration(question, tuple(rendered), "tags")
+
+
+def _thought(calls) -> str:
+    names = ", ".join(f"{c.name}({json.dumps(c.arguments, ensure_ascii=False)})" for c in calls)
+    if len(calls) > 1:
+        return f"These calls are independent, so I make them together: {names}."
+    return f"Next I call {names}."
+
+
+def tool_call_demonstration(question: str, plan, results: list[list[ToolResult]]) -> Demonstration:
+    """Think + tool_call: one step per plan step; `results` are the executed results of every
+    non-final step. The final step calls `response_gen`."""
+    steps = []
+    for calls, step_results in zip(plan[:-1], results):
+        steps.append(DemoStep(render_tool_call_step(_thought(calls), calls), render_tool_responses(step_results)))
+    steps.append(DemoStep(render_tool_call_step("I have what I need to answer.", plan[-1])))
+    return Demonstration(question, tuple(steps), "tool_call")
