@@ -1,0 +1,196 @@
+"""Environments: what a step means in each action format.
+
+An environment turns a task into the first chat messages, says which strings end an
+action, and turns one generated action into tool calls, an observation text and
+(possibly) a final answer. It never raises on what the model wrote: a malformed
+action becomes an error observation (or ends the episode, by policy).
+
+* `TaggedEnv` — SWiRL: `<search_query>`, `<math_exp>`, `<answer>`; one tool call or one
+  answer per action; the observation `QUERY -> RESULT` continues the same assistant turn.
+* `ToolCallEnv` — PORTool: `<think>...</think><tool_call>[...]</tool_call>`; several
+  independent calls per step, run concurrently; the observation is a tool message,
+  rendered by the checkpoint's chat template; `response_gen(answer)` ends the episode.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Sequence
+
+from steprl_jax.agents import formats
+from steprl_jax.tools.protocol import ToolCall, ToolResult
+from steprl_jax.tools.registry import ToolRegistry
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """One query: an id, the question, the reference answer (may be None) and free metadata."""
+
+    id: str
+    question: str
+    reference: Any = None
+    metadata: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class ActionOutcome:
+    kind: str  # "search" | "math" | "answer" | "tool_call" | "invalid"
+    calls: list[ToolCall]
+    results: list[ToolResult]
+    observation_text: str
+    final_answer: Optional[str]
+    problems: list[str]
+    format_checks: dict
+
+
+SWIRL_SYSTEM_PROMPT = (
+    "You solve problems step by step with tools. In each step, think briefly, then write exactly one action:\n"
+    "<math_exp>EXPRESSION</math_exp> to use a calculator (for example <math_exp>48 / 2</math_exp>),\n"
+    "<search_query>QUERY</search_query> to search an encyclopedia,\n"
+    "<answer>ANSWER</answer> to give the final answer (a short phrase or a number).\n"
+    "After a tool action its result is shown as `QUERY -> RESULT`; then continue."
+)
+
+TOOL_CALL_SYSTEM_PROMPT = (
+    "You are an assistant that answers with tools. In each step write <think>your reasoning</think> then "
+    "<tool_call>[{\"name\": TOOL, \"arguments\": {...}}, ...]</tool_call> with one or more independent calls. "
+    "Tool results come back in <tool_response>. Give the final answer by calling response_gen "
+    "with {\"answer\": ...}. If the tools cannot provide what is needed, say so in response_gen."
+)
+
+
+class TaggedEnv:
+    """SWiRL's tag format with a calculator and/or a search tool from `registry`."""
+
+    format = "tags"
+    stop_strings = ("</search_query>", "</math_exp>", "</answer>")
+    _TOOL_FOR_KIND = {"math": ("calculator", "expression"), "search": ("search", "query")}
+
+    def __init__(self, registry: ToolRegistry, system_prompt: str = SWIRL_SYSTEM_PROMPT,
+                 invalid_action: str = "error_observation"):
+        if invalid_action not in ("error_observation", "end"):
+            raise ValueError(f"invalid_action must be 'error_observation' or 'end', got {invalid_action!r}")
+        self.registry = registry
+        self.system_prompt = system_prompt
+        self.invalid_action = invalid_action
+
+    def messages(self, task: Task) -> list[dict]:
+        return [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": task.question}]
+
+    def tool_schemas(self) -> Optional[list[dict]]:
+        return None  # the tags are explained in the system prompt
+
+    def parse(self, action_text: str):
+        return formats.parse_tagged_action(action_text)
+
+    def calls_for(self, parsed) -> list[ToolCall]:
+        if parsed.kind in self._TOOL_FOR_KIND and "unclosed_tag" not in parsed.problems:
+            name, arg = self._TOOL_FOR_KIND[parsed.kind]
+            return [ToolCall(name, {arg: parsed.content})]
+        return []
+
+    def outcome(self, parsed, results: Sequence[ToolResult]) -> ActionOutcome:
+        problems = list(parsed.problems)
+        if parsed.kind == "answer" and "unclosed_tag" not in problems:
+            return ActionOutcome("answer", [], [], "", parsed.content, problems, {})
+        calls = self.calls_for(parsed)
+        if calls:
+            observation = formats.render_tagged_observation(parsed.content, results[0])
+            return ActionOutcome(parsed.kind, calls, list(results), observation, None, problems, {})
+        observation = ("\nError: no complete action found. Write exactly one of <math_exp>...</math_exp>, "
+                       "<search_query>...</search_query> or <answer>...</answer>.\n")
+        return ActionOutcome("invalid", [], [], observation, None, problems or ["no_action"], {})
+
+    def observation_ids(self, tokenizer, text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False) if text else []
+
+
+class ToolCallEnv:
+    """PORTool's think + tool_call format over a registry of function tools (e.g. the tool world)."""
+
+    format = "tool_call"
+    stop_strings = ("</tool_call>",)
+
+    def __init__(self, registry: ToolRegistry, system_prompt: str = TOOL_CALL_SYSTEM_PROMPT,
+                 invalid_action: str = "error_observation"):
+        if invalid_action not in ("error_observation", "end"):
+            raise ValueError(f"invalid_action must be 'error_observation' or 'end', got {invalid_action!r}")
+        self.registry = registry
+        self.system_prompt = system_prompt
+        self.invalid_action = invalid_action
+        self._suffix_cache: dict = {}
+
+    def messages(self, task: Task) -> list[dict]:
+        context = task.metadata.get("context")
+        user = task.question if not context else f"{context}\n\n{task.question}"
+        return [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": user}]
+
+    def tool_schemas(self) -> Optional[list[dict]]:
+        return self.registry.openai_schemas()
+
+    def parse(self, action_text: str):
+        return formats.parse_tool_call_step(action_text)
+
+    def calls_for(self, parsed) -> list[ToolCall]:
+        # The terminal tool is not executed: its argument is the answer.
+        return [c for c in parsed.calls if c.name != formats.TERMINAL_TOOL] if parsed.has_tool_call else []
+
+    def outcome(self, parsed, results: Sequence[ToolResult]) -> ActionOutcome:
+        calls = self.calls_for(parsed)
+        checks = formats.formatting_checks(parsed, self.registry, list(results) if calls else None)
+        answer = parsed.final_answer
+        if answer is not None:
+            if not calls:  # only response_gen: executing it is trivially fine
+                checks = {**checks, "known_tools": True, "valid_arguments": True, "executed_ok": True}
+            return ActionOutcome("answer", calls, list(results), "", answer, list(parsed.problems), checks)
+        if calls:
+            observation = formats.render_tool_responses(results)
+            return ActionOutcome("tool_call", calls, list(results), observation, None, list(parsed.problems), checks)
+        problems = list(parsed.problems) or ["empty_call_list"]
+        observation = ("<tool_response>[{\"error\": {\"type\": \"malformed_step\", \"message\": \"no valid "
+                       "tool call found: write <think>...</think><tool_call>[{\\\"name\\\": ..., "
+                       "\\\"arguments\\\": {...}}]</tool_call>\"}}]</tool_response>")
+        return ActionOutcome("invalid", [], [], observation, None, problems, checks)
+
+    def observation_ids(self, tokenizer, text: str) -> list[int]:
+        """The tool message as the chat template renders it after an assistant turn.
+
+        The action was cut at `</tool_call>`, so the tokens closing the assistant turn and
+        opening the next one belong to the observation (they are masked out in training).
+        """
+        if not text:
+            return []
+        before, after = self._template_suffix(tokenizer)
+        return tokenizer.encode(before + text + after, add_special_tokens=False)
+
+    def _template_suffix(self, tokenizer):
+        key = id(tokenizer)
+        if key not in self._suffix_cache:
+            self._suffix_cache[key] = observation_frame(tokenizer)
+        return self._suffix_cache[key]
+
+
+_ACTION_SENTINEL = "\u2063ACTION\u2063"
+_TOOL_SENTINEL = "\u2063TOOL\u2063"
+
+
+def observation_frame(tokenizer) -> tuple[str, str]:
+    """(text before, text after) a tool message's content, between two assistant turns.
+
+    Read off the tokenizer's own chat template with sentinels; without a template (or
+    when it drops tool messages) a plain rendering is used:
+    "\\n<tool_response>...</tool_response>\\n".
+    """
+    template = getattr(tokenizer, "chat_template", None)
+    if template:
+        try:
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": "q"}, {"role": "assistant", "content": _ACTION_SENTINEL},
+                 {"role": "tool", "content": _TOOL_SENTINEL}],
+                tokenize=False, add_generation_prompt=True)
+        except Exception:  # a template that refuses the tool role: fall back below
+            text = ""
+        if _ACTION_SENTINEL in text and _TOOL_SENTINEL in text:
+            after_action = text.split(_ACTION_SENTINEL, 1)[1]
+            before, after = after_action.split(_TOOL_SENTINEL, 1)
+            return before, after
+    return "\n", "\n"
