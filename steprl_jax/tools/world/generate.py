@@ -234,6 +234,8 @@ def generate_world(seed: int) -> World:
     for league, _ in _LEAGUES:
         names = []
         for city_name, mascot in zip(rng.sample(sorted(cities), 6), rng.sample(_MASCOTS, 6)):
+            while f"{city_name} {mascot}" in teams:  # names are unique across leagues
+                mascot = rng.choice(_MASCOTS)
             team = Team(f"{city_name} {mascot}", league, city_name, f"{mascot} Arena" if rng.random() < 0.5
                         else f"{city_name} Stadium", rng.randint(1890, 2005))
             teams[team.name] = team
