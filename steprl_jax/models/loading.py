@@ -18,6 +18,7 @@ from flax import nnx
 
 from steprl_jax.models.config import ConfigError, ModelConfig
 from steprl_jax.models.hf_weights import canonical_name, weight_rules
+from steprl_jax.models.safetensors_io import SafetensorsFile
 from steprl_jax.models.transformer import Transformer
 
 
@@ -47,7 +48,8 @@ def build_from_tensors(
     available = set(available)
     model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
     used = set()
-    np_dtype = np.dtype(jnp.dtype(dtype).name) if jnp.dtype(dtype) != jnp.bfloat16 else np.float32
+    # jnp.dtype(bfloat16) is ml_dtypes' numpy dtype, so the host buffer is already in the target dtype.
+    np_dtype = np.dtype(jnp.dtype(dtype))
     for rule in weight_rules(config):
         param = _attr(model, rule.ours)
         shape = tuple(param.get_value().shape)
@@ -57,7 +59,10 @@ def build_from_tensors(
             raise CheckpointError(f"{source}: missing tensor {missing[0]!r} (needed for {rule.ours})")
         buffer = np.empty(shape, np_dtype)
         for i, name in enumerate(names):
-            tensor = rule.to_ours(np.asarray(fetch(name)))
+            try:
+                tensor = rule.to_ours(np.asarray(fetch(name)))
+            except ValueError as e:  # a reshape that does not fit: the tensor has the wrong size
+                raise CheckpointError(f"{source}: tensor {name!r} does not fit {rule.ours} {shape}: {e}") from None
             want = shape[1:] if rule.per_layer else shape
             if tuple(tensor.shape) != want:
                 raise CheckpointError(
@@ -95,35 +100,39 @@ def read_hf_config(directory: str, **overrides) -> ModelConfig:
 
 def load_hf_directory(directory: str, *, dtype=jnp.float32, compute_dtype: Optional[str] = None) -> Transformer:
     """Load `config.json` + `model.safetensors` (or a sharded index) from a directory."""
-    from safetensors import safe_open
-
     overrides = {"compute_dtype": compute_dtype} if compute_dtype else {}
     config = read_hf_config(directory, **overrides)
-    index_path = os.path.join(directory, "model.safetensors.index.json")
-    single = os.path.join(directory, "model.safetensors")
-    if os.path.isfile(index_path):
-        with open(index_path) as f:
-            weight_map = json.load(f)["weight_map"]
-        files = {name: os.path.join(directory, shard) for name, shard in weight_map.items()}
-    elif os.path.isfile(single):
-        with safe_open(single, "np") as f:
-            files = {name: single for name in f.keys()}
-    else:
-        raise FileNotFoundError(f"{directory}: neither model.safetensors nor model.safetensors.index.json")
+    files = safetensors_index(directory)
     by_canonical = {canonical_name(n): n for n in files}
-    handles = {}
+    opened: dict = {}
 
     def fetch(name):
         original = by_canonical[name]
         path = files[original]
-        if path not in handles:
-            if not os.path.isfile(path):
-                raise FileNotFoundError(f"{path} (shard named in {index_path}) does not exist")
-            handles[path] = safe_open(path, "np")
-        tensor = handles[path].get_tensor(original)
-        return tensor.astype(np.float32) if tensor.dtype != np.float32 else tensor
+        if path not in opened:
+            opened[path] = SafetensorsFile(path)
+        if original not in opened[path].keys():
+            raise CheckpointError(f"{path}: tensor {original!r} is listed in the index but not in the file")
+        return opened[path].get(original)
 
-    try:
-        return build_from_tensors(config, fetch, by_canonical, dtype=dtype, source=directory)
-    finally:
-        handles.clear()
+    return build_from_tensors(config, fetch, by_canonical, dtype=dtype, source=directory)
+
+
+def safetensors_index(directory: str) -> dict[str, str]:
+    """HF tensor name -> path of the safetensors file holding it."""
+    index_path = os.path.join(directory, "model.safetensors.index.json")
+    single = os.path.join(directory, "model.safetensors")
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            try:
+                weight_map = json.load(f)["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise CheckpointError(f"{index_path}: not a safetensors index ({e!r})") from None
+        files = {name: os.path.join(directory, shard) for name, shard in weight_map.items()}
+        for path in sorted(set(files.values())):
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"{path} (a shard named in {index_path}) does not exist")
+        return files
+    if os.path.isfile(single):
+        return {name: single for name in SafetensorsFile(single).keys()}
+    raise FileNotFoundError(f"{directory}: neither model.safetensors nor model.safetensors.index.json")
