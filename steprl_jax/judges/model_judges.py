@@ -11,43 +11,18 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import dataclasses
 import logging
 import threading
 from typing import Any, Sequence
 
 from steprl_jax.judges import prompts
 from steprl_jax.judges.backends import BackendError, ChatBackend
+from steprl_jax.judges.items import OutcomeItem, StepItem, TrajectoryItem
 from steprl_jax.judges.verdicts import (FAILED_BACKEND, OUTCOME_LABELS, OUTCOME_REWARDS, PROCESS_LABELS,
                                         PROCESS_REWARDS, TRAJECTORY_LABELS, TRAJECTORY_REWARDS, Verdict,
                                         failed_verdict, majority)
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class StepItem:
-    """One SWiRL step for the process judge: no golden answer, by construction."""
-
-    question: str
-    history: prompts.History  # earlier actions and observations (text or chat messages)
-    action: str  # the step being judged
-
-
-@dataclasses.dataclass(frozen=True)
-class OutcomeItem:
-    question: str
-    predicted: str | None  # None when the agent gave no final answer
-    answer_key: str
-
-
-@dataclasses.dataclass(frozen=True)
-class TrajectoryItem:
-    """A finished PORTool trajectory: every step, tool output and error; the reference if any."""
-
-    question: str
-    trajectory: prompts.History
-    reference: str | None = None
 
 
 class JudgeStats:

@@ -113,6 +113,13 @@ def _arguments(arguments: Any) -> str:
     return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
 
 
+def _answer_text(value: Any) -> str:
+    """A reference or answer key; a list of acceptable answers is shown as alternatives."""
+    if isinstance(value, (list, tuple)):
+        return " | ".join(str(v).strip() for v in value)
+    return str(value).strip()
+
+
 def _clip(text: str, max_chars: int | None) -> str:
     text = str(text).strip()
     if max_chars is not None and len(text) > max_chars:
@@ -129,20 +136,20 @@ def process_messages(question: str, history: History, action: str,
     return [{"role": "system", "content": PROCESS_SYSTEM}, {"role": "user", "content": user}]
 
 
-def outcome_messages(question: str, predicted: str | None, answer_key: str,
+def outcome_messages(question: str, predicted: str | None, answer_key: Any,
                      max_answer_chars: int | None = 4000) -> list[dict]:
     """The outcome prompt: question, predicted answer, answer key (YES/NO)."""
     predicted_text = "(no answer given)" if predicted is None or not str(predicted).strip() else predicted
     user = OUTCOME_TEMPLATE.format(question=str(question).strip(), predicted=_clip(predicted_text, max_answer_chars),
-                                   answer_key=str(answer_key).strip())
+                                   answer_key=_answer_text(answer_key))
     return [{"role": "system", "content": OUTCOME_SYSTEM}, {"role": "user", "content": user}]
 
 
-def trajectory_messages(question: str, trajectory: History, reference: str | None = None,
+def trajectory_messages(question: str, trajectory: History, reference: Any = None,
                         max_trajectory_chars: int | None = None) -> list[dict]:
     """PORTool's verdict prompt: the whole trajectory, and the reference answer when one exists."""
-    if reference is not None and str(reference).strip():
-        reference_block = f"Reference answer:\n<reference>\n{str(reference).strip()}\n</reference>\n\n"
+    if reference is not None and _answer_text(reference):
+        reference_block = f"Reference answer:\n<reference>\n{_answer_text(reference)}\n</reference>\n\n"
         true_basis = " (it agrees with the reference answer)"
     else:
         reference_block = "There is no fixed reference answer: judge from the evidence in the trajectory.\n\n"

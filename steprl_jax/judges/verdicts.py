@@ -24,6 +24,7 @@ TRAJECTORY_REWARDS = {"true": 1.0, "false": -1.0, "unable_to_answer": 0.0}
 FAILED_BACKEND = "backend"  # the endpoint/model never answered (after retries)
 FAILED_UNPARSED = "unparsed"  # every reply was unreadable
 FAILED_TIE = "tie"  # the most frequent labels tie
+FAILED_NO_REFERENCE = "no_reference"  # a rule judge cannot decide without a reference answer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +34,7 @@ class Verdict:
     label: the majority label, or None when the verdict failed.
     raw: every reply text the judge model gave (empty for a backend failure and for rule judges
         that have no text).
-    failed_reason: None, or "<code>: <detail>" with code in {backend, unparsed, tie}.
+    failed_reason: None, or "<code>: <detail>" with code in {backend, unparsed, tie, no_reference}.
     votes: label -> number of replies with that label (parsed replies only).
     unparsed: number of replies that could not be read.
     score: the reward of `label` under the judge's mapping, None when the verdict failed.
