@@ -1,0 +1,66 @@
+"""Command line: serve a model (preset, Hugging Face directory or .gguf) on 127.0.0.1.
+
+    python -m steprl_jax.serve --model smollm2-135m-instruct [--port 8000] [--name NAME]
+                               [--max-context 4096] [--compute-dtype bfloat16] [--api-key-env VAR]
+
+Prints one line `serving NAME at http://HOST:PORT/v1` once the socket is bound (with --port 0 the
+system picks the port; the line says which).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m steprl_jax.serve", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True, help="a load_pretrained source: preset, HF directory or .gguf")
+    parser.add_argument("--name", default=None, help="the model id clients send (default: --model)")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    parser.add_argument("--max-context", type=int, default=4096, help="positions per sequence")
+    parser.add_argument("--compute-dtype", default=None, choices=("float32", "bfloat16"))
+    parser.add_argument("--max-batch-rows", type=int, default=32, help="rows per generate call across requests")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--api-key-env", default=None,
+                        help="require `Authorization: Bearer $VAR` (the key is read from this variable)")
+    parser.add_argument("--log-level", default="INFO")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    api_key = None
+    if args.api_key_env:
+        api_key = os.environ.get(args.api_key_env)
+        if not api_key:
+            print(f"error: environment variable {args.api_key_env!r} is not set", file=sys.stderr)
+            return 2
+    from steprl_jax.models.pretrained import load_pretrained
+    from steprl_jax.serve.app import ChatServer
+    from steprl_jax.serve.engine import ChatEngine
+
+    try:
+        model, tokenizer = load_pretrained(args.model, compute_dtype=args.compute_dtype)
+    except (FileNotFoundError, ValueError) as error:
+        print(f"error: cannot load model {args.model!r}: {error}", file=sys.stderr)
+        return 2
+    max_context = min(args.max_context, model.config.max_position_embeddings)
+    engine = ChatEngine(model, tokenizer, max_context=max_context, seed=args.seed,
+                        max_batch_rows=args.max_batch_rows)
+    server = ChatServer(engine, args.name or args.model, args.host, args.port, api_key)
+    print(f"serving {server.model_name} at {server.url}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
