@@ -1,0 +1,87 @@
+"""Frozen, hashable configuration of the train step (static arguments of the jitted program)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from steprl_jax.ops.losses import AGG_MODES, KL_ESTIMATORS
+
+LOSS_KINDS = ("policy", "sft")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """What the train step minimises. Every field changes the compiled program.
+
+    kind: "policy" (clipped surrogate on `advantages`; SWiRL, PORTool, GRPO, DAPO, ARPO) or
+      "sft" (negative log-likelihood of the masked tokens).
+    agg: aggregation mode (ops/losses.py); `norm` is the constant of seq_mean_token_sum_norm
+      (None: the padded batch length).
+    eps_low/eps_high/dual_clip: the PPO clip range (DAPO clip-higher: eps_high > eps_low).
+    kl_coef/kl_estimator: KL penalty to the frozen reference policy (0 disables it).
+    entropy_coef: entropy bonus (subtracted from the loss).
+    temperature: the sampling temperature; log-probs are log-softmax(logits / temperature),
+      exactly as the sampler records them.
+    logprob_chunk: sequence positions per log-prob chunk.
+    """
+    kind: str = "policy"
+    agg: str = "token_mean"
+    norm: Optional[float] = None
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    dual_clip: Optional[float] = None
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    temperature: float = 1.0
+    logprob_chunk: int = 128
+
+    def __post_init__(self):
+        if self.kind not in LOSS_KINDS:
+            raise ValueError(f"loss kind must be one of {LOSS_KINDS}, got {self.kind!r}")
+        if self.agg not in AGG_MODES:
+            raise ValueError(f"agg must be one of {AGG_MODES}, got {self.agg!r}")
+        if not 0.0 <= self.eps_low < 1.0:
+            raise ValueError(f"eps_low must be in [0, 1), got {self.eps_low}")
+        if not self.eps_high >= 0.0:
+            raise ValueError(f"eps_high must be >= 0, got {self.eps_high}")
+        if self.dual_clip is not None and not self.dual_clip > 1.0:
+            raise ValueError(f"dual_clip must be None or > 1, got {self.dual_clip}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"kl_estimator must be one of {tuple(KL_ESTIMATORS)}")
+        if self.kl_coef < 0 or self.entropy_coef < 0:
+            raise ValueError("kl_coef and entropy_coef must be >= 0")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with linear warmup then cosine decay to `end_lr_ratio * learning_rate`, after
+    clipping the global gradient norm to `max_grad_norm` (None: no clipping)."""
+    learning_rate: float = 1e-6
+    warmup_steps: int = 0
+    total_steps: int = 1000
+    end_lr_ratio: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: Optional[float] = 1.0
+
+    def __post_init__(self):
+        if self.total_steps < 1 or not 0 <= self.warmup_steps <= self.total_steps:
+            raise ValueError(f"need 0 <= warmup_steps ({self.warmup_steps}) <= total_steps "
+                             f"({self.total_steps}) and total_steps >= 1")
+        if self.learning_rate < 0:
+            raise ValueError(f"learning_rate must be >= 0, got {self.learning_rate}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainStepConfig:
+    loss: LossConfig = LossConfig()
+    num_microbatches: int = 1
+
+    def __post_init__(self):
+        if self.num_microbatches < 1:
+            raise ValueError(f"num_microbatches must be >= 1, got {self.num_microbatches}")

@@ -1,0 +1,31 @@
+"""Model forward to per-token log-probs, aligned with the Batch convention.
+
+`sequence_logprobs(model, tokens)` returns `logp_bt[b, t] = log pi(tokens[b, t] | tokens[b, :t])`
+(0 in column 0) through the one log-prob function `ops.logprobs.token_logprobs`, with the
+model's own compute dtype and final softcap. The sampler records the same quantity for the
+tokens it samples, so on the first update after sampling the ratio is exactly 1.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from steprl_jax.ops.logprobs import DEFAULT_CHUNK_SIZE, token_logprobs
+
+
+def _shift_right(x_bt):
+    return jnp.concatenate([jnp.zeros_like(x_bt[:, :1]), x_bt[:, :-1]], axis=1)
+
+
+def sequence_logprobs(model, tokens_bt, *, attention_mask_bt=None, temperature=1.0,
+                      chunk_size: int = DEFAULT_CHUNK_SIZE, with_entropy: bool = False):
+    """Per-token log-probs [B, L] (and entropies of the predicting distribution) of `tokens_bt`."""
+    cfg = model.config
+    hidden_btd = model.hidden_states(tokens_bt, attention_mask_bt=attention_mask_bt)
+    next_bt = jnp.roll(tokens_bt, -1, axis=1)  # position t predicts token t + 1
+    dtype = None if cfg.compute_dtype == "float32" else jnp.dtype(cfg.compute_dtype)
+    out = token_logprobs(hidden_btd, model.unembedding(), next_bt, temperature=temperature,
+                         final_softcap=cfg.final_logit_softcap, chunk_size=chunk_size,
+                         with_entropy=with_entropy, compute_dtype=dtype)
+    if with_entropy:
+        return _shift_right(out[0]), _shift_right(out[1])
+    return _shift_right(out)

@@ -1,0 +1,162 @@
+"""The one train step every algorithm reuses.
+
+    step_fn = make_train_step(graphdef, tx, TrainStepConfig(loss=LossConfig(...)), mesh=mesh,
+                              state_shardings=shardings)
+    state, metrics = step_fn(state, batch)          # batch: training.batch.Batch, [B, L]
+
+Loss = (sum over micro-batches of the per-token loss sums) / (denominator of the WHOLE batch).
+Denominators depend only on the mask, so they are computed once from the full batch and the
+micro-batch loop only accumulates sums and gradient sums: accumulation over M micro-batches is
+the same computation as one big batch for every aggregation mode, and data parallelism is the
+same sum spread over devices (XLA inserts the all-reduce). The division happens once, at the
+end; a zero denominator gives zero loss and zero gradient.
+
+Micro-batch m takes rows m, m + M, m + 2M, ... so every micro-batch stays spread over all
+data shards.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from steprl_jax.models.sharding import LOGICAL_AXIS_RULES, batch_sharding
+from steprl_jax.ops import losses
+from steprl_jax.training.batch import Batch
+from steprl_jax.training.config import LossConfig, TrainStepConfig
+from steprl_jax.training.forward import sequence_logprobs
+from steprl_jax.training.state import TrainState, merge_model
+
+
+def loss_sums(model, batch: Batch, cfg: LossConfig):
+    """(loss_sum, metric_sums) of one (micro-)batch; the caller divides by the denominator."""
+    want_entropy = cfg.entropy_coef > 0
+    out = sequence_logprobs(model, batch.tokens, attention_mask_bt=batch.attention_mask,
+                            temperature=cfg.temperature, chunk_size=cfg.logprob_chunk,
+                            with_entropy=want_entropy)
+    logp_bt, entropy_bt = out if want_entropy else (out, None)
+    # Column 0 has no prediction; force it out even if a builder forgot.
+    mask_bt = batch.loss_mask.astype(jnp.float32).at[:, 0].set(0.0)
+    if cfg.kind == "sft":
+        total = losses.agg_sum(-logp_bt, mask_bt, cfg.agg)
+        metrics = {"token_count": jnp.sum(mask_bt),
+                   "nll": jnp.sum(jax.lax.stop_gradient(-logp_bt) * mask_bt)}
+    else:
+        total, _, metrics = losses.policy_loss(
+            logp_bt, batch.old_logp, batch.advantages, mask_bt, eps_low=cfg.eps_low,
+            eps_high=cfg.eps_high, dual_clip=cfg.dual_clip, agg=cfg.agg, norm=cfg.norm)
+    if cfg.kl_coef > 0:
+        if batch.ref_logp is None:
+            raise ValueError("kl_coef > 0 needs batch.ref_logp (see make_logprob_fn)")
+        kl_bt = losses.KL_ESTIMATORS[cfg.kl_estimator](logp_bt, batch.ref_logp)
+        total = total + cfg.kl_coef * losses.agg_sum(kl_bt, mask_bt, cfg.agg)
+        metrics["kl"] = jnp.sum(jax.lax.stop_gradient(kl_bt) * mask_bt)
+    if want_entropy:
+        total = total - cfg.entropy_coef * losses.agg_sum(entropy_bt, mask_bt, cfg.agg)
+        metrics["entropy"] = jnp.sum(jax.lax.stop_gradient(entropy_bt) * mask_bt)
+    return total, metrics
+
+
+def _split_microbatches(batch: Batch, m: int) -> Batch:
+    def split(x):
+        b = x.shape[0]
+        if b % m:
+            raise ValueError(f"batch of {b} rows does not split into {m} micro-batches")
+        return jnp.swapaxes(x.reshape(b // m, m, *x.shape[1:]), 0, 1)
+    return jax.tree.map(split, batch)
+
+
+def make_loss_and_grad(graphdef, cfg: TrainStepConfig, mesh: Optional[Mesh] = None,
+                       rules: dict = LOGICAL_AXIS_RULES) -> Callable:
+    """fn(params, rest, batch) -> (loss, grads, metric_sums), unjitted (for tests and reuse)."""
+    lcfg = cfg.loss
+
+    def micro(params, rest, mb):
+        if mesh is not None:
+            mb = jax.lax.with_sharding_constraint(mb, _batch_shardings(mb, mesh, rules))
+        return loss_sums(merge_model(graphdef, params, rest), mb, lcfg)
+
+    grad_fn = jax.value_and_grad(micro, has_aux=True)
+
+    def fn(params, rest, batch: Batch):
+        if lcfg.kl_coef > 0 and batch.ref_logp is None:
+            raise ValueError("kl_coef > 0 needs batch.ref_logp (see make_logprob_fn)")
+        mask = batch.loss_mask.astype(jnp.float32).at[:, 0].set(0.0)
+        denom = losses.agg_denominator(mask, lcfg.agg, norm=lcfg.norm)
+        if cfg.num_microbatches == 1:
+            (total, metrics), grads = grad_fn(params, rest, batch)
+        else:
+            mbs = _split_microbatches(batch, cfg.num_microbatches)
+            first = jax.tree.map(lambda x: x[0], mbs)
+            (total, metrics), grads = grad_fn(params, rest, first)
+            rest_mbs = jax.tree.map(lambda x: x[1:], mbs)
+
+            def body(carry, mb):
+                t_acc, m_acc, g_acc = carry
+                (t, m), g = grad_fn(params, rest, mb)
+                return (t_acc + t, losses.combine_metrics(m_acc, m),
+                        jax.tree.map(jnp.add, g_acc, g)), None
+
+            (total, metrics, grads), _ = jax.lax.scan(body, (total, metrics, grads), rest_mbs)
+        scale = losses.safe_divide(jnp.float32(1.0), denom)
+        grads = jax.tree.map(lambda g: g * scale, grads)
+        return total * scale, grads, metrics
+
+    return fn
+
+
+def _batch_shardings(batch: Batch, mesh: Mesh, rules: dict):
+    sh = batch_sharding(mesh, rules)
+    return jax.tree.map(lambda _: sh, batch)
+
+
+def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: TrainStepConfig, *,
+                    mesh: Optional[Mesh] = None, state_shardings: Optional[TrainState] = None,
+                    rules: dict = LOGICAL_AXIS_RULES, schedule: Optional[Callable] = None):
+    """The jitted `train_step(state, batch) -> (new_state, metrics)`; `state` is donated.
+
+    With a mesh, `state_shardings` (from create_train_state) are the in/out shardings of the
+    state, the batch is sharded over the data axes, metrics are replicated.
+    """
+    loss_and_grad = make_loss_and_grad(graphdef, cfg, mesh, rules)
+
+    def step(state: TrainState, batch: Batch):
+        loss, grads, msums = loss_and_grad(state.params, state.rest, batch)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = losses.finalize_metrics(msums)
+        metrics["loss"] = loss
+        metrics["grad_norm"] = optax.tree.norm(grads)
+        if schedule is not None:
+            metrics["learning_rate"] = schedule(state.step)
+        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                                  rng=jax.random.fold_in(state.rng, state.step))
+        return new_state, metrics
+
+    if mesh is None:
+        return jax.jit(step, donate_argnums=0)
+    if state_shardings is None:
+        raise ValueError("a mesh needs state_shardings (from create_train_state)")
+    replicated = NamedSharding(mesh, PartitionSpec())
+    batch_sh = batch_sharding(mesh, rules)
+    return jax.jit(step, in_shardings=(state_shardings, batch_sh),
+                   out_shardings=(state_shardings, replicated), donate_argnums=0)
+
+
+def make_logprob_fn(graphdef, *, temperature: float = 1.0, chunk_size: int = 128,
+                    mesh: Optional[Mesh] = None, params_shardings=None,
+                    rules: dict = LOGICAL_AXIS_RULES):
+    """Jitted fn(params, rest, tokens, attention_mask) -> logp_bt [B, L], aligned like Batch:
+    recompute old log-probs or fill `ref_logp` from a frozen reference model's params."""
+    def fn(params, rest, tokens, attention_mask):
+        model = merge_model(graphdef, params, rest)
+        return sequence_logprobs(model, tokens, attention_mask_bt=attention_mask,
+                                 temperature=temperature, chunk_size=chunk_size)
+    if mesh is None:
+        return jax.jit(fn)
+    del params_shardings  # params keep the shardings they were placed with
+    sh = batch_sharding(mesh, rules)
+    return jax.jit(fn, in_shardings=(None, None, sh, sh), out_shardings=sh)

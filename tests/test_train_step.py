@@ -1,0 +1,194 @@
+"""Train step: accumulation == one batch for every agg mode; 8 devices == 1; ratio 1 on the
+first update; zero-denominator batches; validation; checkpoint resume is bit-identical."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from steprl_jax.models import ModelConfig, Transformer
+from steprl_jax.models.sharding import make_mesh
+from steprl_jax.ops.losses import AGG_MODES
+from steprl_jax.training.batch import make_batch, validate_batch
+from steprl_jax.training.checkpoint import Checkpointer
+from steprl_jax.training.config import LossConfig, OptimizerConfig, TrainStepConfig
+from steprl_jax.training.optimizer import lr_schedule, make_optimizer
+from steprl_jax.training.state import create_train_state, merge_model
+from steprl_jax.training.step import make_logprob_fn, make_loss_and_grad, make_train_step
+
+CFG = ModelConfig.tiny(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=1,
+                       num_heads=2, num_kv_heads=1, head_dim=16)
+OPT = OptimizerConfig(learning_rate=1e-3, warmup_steps=2, total_steps=20, weight_decay=0.01)
+
+
+def _model():
+    return Transformer(CFG, rngs=nnx.Rngs(0))
+
+
+def _batch(b=16, l=12, seed=0, with_ref=False):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, CFG.vocab_size, (b, l))
+    mask = (rng.random((b, l)) < 0.6).astype(np.float32)
+    mask[:, 0] = 0
+    mask[3] = 0  # a row with no trained token
+    attn = np.ones((b, l), np.int32)
+    attn[5, 9:] = 0  # right padding
+    mask[5, 9:] = 0
+    return make_batch(tokens, mask, rng.normal(size=(b, l)), -4.0 + 0.2 * rng.normal(size=(b, l)),
+                      ref_logp=-4.0 + 0.2 * rng.normal(size=(b, l)) if with_ref else None,
+                      attention_mask=attn)
+
+
+def test_grad_accumulation_equals_one_batch_for_every_agg_mode():
+    graphdef, params, rest = nnx.split(_model(), nnx.Param, ...)
+    batch = jax.tree.map(jnp.asarray, _batch(with_ref=True))
+
+    @jax.jit  # one program for all modes: one compile
+    def all_modes(params, rest, batch):
+        out = {}
+        for agg in AGG_MODES:
+            loss_cfg = LossConfig(agg=agg, eps_low=0.2, eps_high=0.28, dual_clip=3.0,
+                                  kl_coef=0.1, entropy_coef=0.01, logprob_chunk=5)
+            for m in (1, 4):
+                cfg = TrainStepConfig(loss=loss_cfg, num_microbatches=m)
+                out[agg, m] = make_loss_and_grad(graphdef, cfg)(params, rest, batch)
+        return out
+
+    out = all_modes(params, rest, batch)
+    for agg in AGG_MODES:
+        one, acc = out[agg, 1], out[agg, 4]
+        np.testing.assert_allclose(acc[0], one[0], rtol=1e-5, atol=1e-7, err_msg=agg)
+        for g4, g1 in zip(jax.tree.leaves(acc[1]), jax.tree.leaves(one[1])):
+            np.testing.assert_allclose(g4, g1, rtol=1e-4, atol=1e-7, err_msg=agg)
+        for k in one[2]:
+            np.testing.assert_allclose(acc[2][k], one[2][k], rtol=1e-5, atol=1e-6, err_msg=agg)
+    # the modes really differ (the test would be vacuous otherwise)
+    assert len({round(float(out[a, 1][0]), 6) for a in AGG_MODES}) == len(AGG_MODES)
+
+
+def _run_steps(mesh, batch, n_steps=2, microbatches=2):
+    tx = make_optimizer(OPT)
+    graphdef, state, shardings = create_train_state(_model(), tx, mesh=mesh)
+    step = make_train_step(graphdef, tx, TrainStepConfig(
+        loss=LossConfig(agg="seq_mean_token_mean", eps_high=0.28), num_microbatches=microbatches),
+        mesh=mesh, state_shardings=shardings, schedule=lr_schedule(OPT))
+    metrics = []
+    for _ in range(n_steps):
+        state, m = step(state, batch)
+        metrics.append(jax.device_get(m))
+    return state, metrics
+
+
+def test_eight_devices_equal_one_device():
+    assert jax.device_count() == 8
+    batch = _batch()
+    s1, m1 = _run_steps(None, batch)
+    s8, m8 = _run_steps(make_mesh(data=2, fsdp=4), batch)
+    sharded = [x for x in jax.tree.leaves(s8.params) if len(x.sharding.device_set) == 8]
+    assert sharded and any(not x.sharding.is_fully_replicated for x in sharded)
+    for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s8.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    for a, b in zip(m1, m8):
+        for k in a:
+            np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6)
+    assert int(s8.step) == 2 and m8[-1]["learning_rate"] == pytest.approx(0.5e-3)  # lr of update 2 (warmup 2)
+
+
+def test_first_update_ratio_is_one_and_empty_mask_gives_zero_loss():
+    tx = make_optimizer(OPT)
+    graphdef, state, _ = create_train_state(_model(), tx)
+    b = _batch()
+    logp = make_logprob_fn(graphdef, temperature=0.7)(state.params, state.rest, b.tokens,
+                                                      b.attention_mask)
+    step = make_train_step(graphdef, tx, TrainStepConfig(loss=LossConfig(temperature=0.7)))
+    # Log-probs recorded with the same function and parameters: ratio exactly 1, no clipping.
+    state, m = step(state, b.replace(old_logp=logp))
+    assert float(m["clipfrac"]) == 0.0
+    assert float(m["ratio_max"]) == pytest.approx(1.0, abs=1e-6)
+    assert float(m["ratio_min"]) == pytest.approx(1.0, abs=1e-6)
+    assert float(m["approx_kl"]) == pytest.approx(0.0, abs=1e-7)
+    # A batch whose denominator is zero: zero loss and gradient, no NaN anywhere.
+    before = jax.tree.map(np.asarray, state.params)
+    state, m = step(state, b.replace(loss_mask=np.zeros_like(b.loss_mask)))
+    assert float(m["loss"]) == 0.0 and float(m["grad_norm"]) == 0.0
+    assert all(np.isfinite(float(v)) for k, v in m.items() if not k.startswith("ratio_"))
+    for a, c in zip(jax.tree.leaves(before), jax.tree.leaves(state.params)):
+        assert np.all(np.isfinite(np.asarray(c)))
+
+
+def test_sft_loss_is_token_mean_nll():
+    tx = make_optimizer(OPT)
+    model = _model()
+    b = _batch()
+    logits = model(jnp.asarray(b.tokens), attention_mask_bt=jnp.asarray(b.attention_mask))
+    logsm = jax.nn.log_softmax(logits, -1)
+    nll = -np.take_along_axis(np.asarray(logsm[:, :-1]), b.tokens[:, 1:, None], -1)[..., 0]
+    expected = (nll * b.loss_mask[:, 1:]).sum() / b.loss_mask.sum()
+    graphdef, state, _ = create_train_state(model, tx)
+    step = make_train_step(graphdef, tx, TrainStepConfig(loss=LossConfig(kind="sft")))
+    _, m = step(state, b)
+    np.testing.assert_allclose(m["loss"], expected, rtol=1e-5)
+    np.testing.assert_allclose(m["nll"], expected, rtol=1e-5)
+
+
+def test_validate_batch_errors():
+    b = _batch()
+    with pytest.raises(ValueError, match="advantages shape"):
+        validate_batch(b.replace(advantages=b.advantages[:, :3]))
+    bad = b.old_logp.copy()
+    bad[1, 2] = np.nan
+    with pytest.raises(ValueError, match="old_logp holds a non-finite"):
+        validate_batch(b.replace(old_logp=bad))
+    with pytest.raises(ValueError, match="selects no token"):
+        validate_batch(b.replace(loss_mask=np.zeros_like(b.loss_mask)))
+    m = b.loss_mask.copy()
+    m[0, 0] = 1
+    with pytest.raises(ValueError, match=r"loss_mask\[:, 0\]"):
+        validate_batch(b.replace(loss_mask=m))
+    with pytest.raises(ValueError, match="micro-batches"):
+        validate_batch(b, num_microbatches=3)
+    with pytest.raises(ValueError, match="token ids"):
+        validate_batch(b, vocab_size=10)
+    with pytest.raises(ValueError, match="eps_low"):
+        LossConfig(eps_low=1.5)
+    with pytest.raises(ValueError, match="agg"):
+        LossConfig(agg="token-mean")
+    with pytest.raises(ValueError, match="ref_logp"):
+        graphdef, params, rest = nnx.split(_model(), nnx.Param, ...)
+        make_loss_and_grad(graphdef, TrainStepConfig(loss=LossConfig(kl_coef=0.1)))(
+            params, rest, jax.tree.map(jnp.asarray, b))
+
+
+def test_checkpoint_resume_is_bit_identical(tmp_path):
+    tx = make_optimizer(OPT)
+    batches = [_batch(seed=i) for i in range(4)]
+    cfg = TrainStepConfig(loss=LossConfig(agg="token_mean"))
+
+    graphdef, state, _ = create_train_state(_model(), tx, seed=7)
+    step = make_train_step(graphdef, tx, cfg)
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), max_to_keep=2)
+    for i, b in enumerate(batches):
+        if i == 2:
+            ckpt.save(state, data_position={"index": i})
+        state, _ = step(state, b)
+    ckpt.save(state, data_position={"index": 4})
+    ckpt.save(state, data_position={"index": 4}, step=99)
+    assert ckpt.steps() == [4, 99]  # keep-last-N dropped step 2 ...
+
+    ckpt2 = Checkpointer(str(tmp_path / "ckpt2"), max_to_keep=2)
+    _, fresh, _ = create_train_state(_model(), tx, seed=7)
+    step2 = step  # same graph, same compiled program
+    for b in batches[:2]:
+        fresh, _ = step2(fresh, b)
+    ckpt2.save(fresh, data_position={"index": 2})
+    _, template, _ = create_train_state(_model(), tx, seed=0)
+    resumed, pos = ckpt2.restore(like=template)
+    assert pos == {"index": 2} and int(resumed.step) == 2
+    for b in batches[pos["index"]:]:
+        resumed, _ = step2(resumed, b)
+    for a, c in zip(jax.tree.leaves(state), jax.tree.leaves(resumed)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+    ckpt.close()
+    ckpt2.close()
