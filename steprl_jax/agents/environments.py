@@ -14,7 +14,8 @@ action becomes an error observation (or ends the episode, by policy).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Sequence
+import threading
+from typing import Any, Callable, Optional, Sequence
 
 from steprl_jax.agents import formats
 from steprl_jax.tools.protocol import ToolCall, ToolResult
@@ -42,13 +43,21 @@ class ActionOutcome:
     format_checks: dict
 
 
-SWIRL_SYSTEM_PROMPT = (
-    "You solve problems step by step with tools. In each step, think briefly, then write exactly one action:\n"
-    "<math_exp>EXPRESSION</math_exp> to use a calculator (for example <math_exp>48 / 2</math_exp>),\n"
-    "<search_query>QUERY</search_query> to search an encyclopedia,\n"
-    "<answer>ANSWER</answer> to give the final answer (a short phrase or a number).\n"
-    "After a tool action its result is shown as `QUERY -> RESULT`; then continue."
-)
+_SWIRL_ACTIONS = {
+    "calculator": "<math_exp>EXPRESSION</math_exp> to use a calculator (for example <math_exp>48 / 2</math_exp>),\n",
+    "search": "<search_query>QUERY</search_query> to search an encyclopedia,\n",
+}
+
+
+def swirl_system_prompt(tools: Sequence[str]) -> str:
+    """SWiRL's instructions, listing only the tools that are available."""
+    return ("You solve problems step by step with tools. In each step, think briefly, then write exactly one "
+            "action:\n" + "".join(_SWIRL_ACTIONS[t] for t in tools if t in _SWIRL_ACTIONS)
+            + "<answer>ANSWER</answer> to give the final answer (a short phrase or a number).\n"
+            "After a tool action its result is shown as `QUERY -> RESULT`; then continue.")
+
+
+SWIRL_SYSTEM_PROMPT = swirl_system_prompt(("calculator", "search"))
 
 TOOL_CALL_SYSTEM_PROMPT = (
     "You are an assistant that answers with tools. In each step write <think>your reasoning</think> then "
@@ -65,19 +74,32 @@ class TaggedEnv:
     stop_strings = ("</search_query>", "</math_exp>", "</answer>")
     _TOOL_FOR_KIND = {"math": ("calculator", "expression"), "search": ("search", "query")}
 
-    def __init__(self, registry: ToolRegistry, system_prompt: str = SWIRL_SYSTEM_PROMPT,
-                 invalid_action: str = "error_observation"):
+    def __init__(self, registry: ToolRegistry, system_prompt: Optional[str] = None,
+                 invalid_action: str = "error_observation", examples: Sequence = ()):
+        """`examples`: worked demonstrations (`Demonstration`s in the tag format) shown before the
+        question as earlier user/assistant turns; small models need them to follow the format."""
         if invalid_action not in ("error_observation", "end"):
             raise ValueError(f"invalid_action must be 'error_observation' or 'end', got {invalid_action!r}")
         self.registry = registry
-        self.system_prompt = system_prompt
+        self.system_prompt = system_prompt or swirl_system_prompt(registry.names)
         self.invalid_action = invalid_action
+        self.examples = tuple(examples)
 
     def messages(self, task: Task) -> list[dict]:
-        return [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": task.question}]
+        messages = [{"role": "system", "content": self.system_prompt}]
+        for demo in self.examples:
+            messages.append({"role": "user", "content": demo.prompt})
+            messages.append({"role": "assistant", "content": "".join(s.action + s.observation for s in demo.steps)})
+        return messages + [{"role": "user", "content": task.question}]
 
-    def tool_schemas(self) -> Optional[list[dict]]:
+    def tool_schemas(self, task: Task) -> Optional[list[dict]]:
         return None  # the tags are explained in the system prompt
+
+    def registry_for(self, task: Task) -> ToolRegistry:
+        return self.registry
+
+    def release(self, task: Task) -> None:
+        pass
 
     def parse(self, action_text: str):
         return formats.parse_tagged_action(action_text)
@@ -88,7 +110,7 @@ class TaggedEnv:
             return [ToolCall(name, {arg: parsed.content})]
         return []
 
-    def outcome(self, parsed, results: Sequence[ToolResult]) -> ActionOutcome:
+    def outcome(self, task: Task, parsed, results: Sequence[ToolResult]) -> ActionOutcome:
         problems = list(parsed.problems)
         if parsed.kind == "answer" and "unclosed_tag" not in problems:
             return ActionOutcome("answer", [], [], "", parsed.content, problems, {})
@@ -110,22 +132,45 @@ class ToolCallEnv:
     format = "tool_call"
     stop_strings = ("</tool_call>",)
 
-    def __init__(self, registry: ToolRegistry, system_prompt: str = TOOL_CALL_SYSTEM_PROMPT,
-                 invalid_action: str = "error_observation"):
+    def __init__(self, registry: Optional[ToolRegistry] = None, *,
+                 registry_factory: Optional[Callable[[Task], ToolRegistry]] = None,
+                 system_prompt: str = TOOL_CALL_SYSTEM_PROMPT, invalid_action: str = "error_observation"):
+        """`registry` serves every task; `registry_factory(task)` instead builds one per task
+        (the tool world's tools depend on the episode's "now" and location)."""
         if invalid_action not in ("error_observation", "end"):
             raise ValueError(f"invalid_action must be 'error_observation' or 'end', got {invalid_action!r}")
+        if (registry is None) == (registry_factory is None):
+            raise ValueError("give exactly one of registry and registry_factory")
         self.registry = registry
+        self.registry_factory = registry_factory
         self.system_prompt = system_prompt
         self.invalid_action = invalid_action
+        self._registries: dict = {}
+        self._lock = threading.Lock()
         self._suffix_cache: dict = {}
+
+    def registry_for(self, task: Task) -> ToolRegistry:
+        if self.registry is not None:
+            return self.registry
+        with self._lock:
+            if task.id not in self._registries:
+                self._registries[task.id] = self.registry_factory(task)
+            return self._registries[task.id]
+
+    def release(self, task: Task) -> None:
+        """Close a per-task registry once all of the task's episodes are done."""
+        with self._lock:
+            registry = self._registries.pop(task.id, None)
+        if registry is not None:
+            registry.close()
 
     def messages(self, task: Task) -> list[dict]:
         context = task.metadata.get("context")
         user = task.question if not context else f"{context}\n\n{task.question}"
         return [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": user}]
 
-    def tool_schemas(self) -> Optional[list[dict]]:
-        return self.registry.openai_schemas()
+    def tool_schemas(self, task: Task) -> Optional[list[dict]]:
+        return self.registry_for(task).openai_schemas()
 
     def parse(self, action_text: str):
         return formats.parse_tool_call_step(action_text)
@@ -134,9 +179,9 @@ class ToolCallEnv:
         # The terminal tool is not executed: its argument is the answer.
         return [c for c in parsed.calls if c.name != formats.TERMINAL_TOOL] if parsed.has_tool_call else []
 
-    def outcome(self, parsed, results: Sequence[ToolResult]) -> ActionOutcome:
+    def outcome(self, task: Task, parsed, results: Sequence[ToolResult]) -> ActionOutcome:
         calls = self.calls_for(parsed)
-        checks = formats.formatting_checks(parsed, self.registry, list(results) if calls else None)
+        checks = formats.formatting_checks(parsed, self.registry_for(task), list(results) if calls else None)
         answer = parsed.final_answer
         if answer is not None:
             if not calls:  # only response_gen: executing it is trivially fine

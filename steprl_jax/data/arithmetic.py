@@ -59,7 +59,7 @@ def arithmetic_problems(n: int = 32, seed: int = 0) -> list[ArithmeticProblem]:
     for i in range(n):
         template, expressions = templates[i % len(templates)]
         a, b = rng.randint(2, 12), rng.randint(2, 9)
-        c = rng.randint(a * b // 2 + 1, a * b + 20) if "spends" in template else rng.randint(1, a * b)
+        c = rng.randint(a * b, a * b + 40) if "spends" in template else rng.randint(1, a * b)
         values = dict(a=a, b=b, c=c, a_times_b=a * b, c_small=min(c, a * b) // 3, name=rng.choice(_NAMES))
         steps = tuple(expressions(a, b, c))
         answer = calculate(steps[-1])

@@ -1,0 +1,31 @@
+"""The embedded default: SmolLM2-135M-Instruct solves built-in arithmetic word problems with a calculator.
+
+    python -m steprl_jax.main --config=configs/demo.py --config.task.num_tasks=8
+    python -m steprl_jax.main --config=configs/demo.py --config.task.name=gsm8k --config.task.path=PATH
+"""
+from ml_collections import ConfigDict
+
+
+def get_config(arg=None):
+    c = ConfigDict()
+    c.workdir = "runs/demo"
+    c.seed = 0
+    c.model = ConfigDict(dict(source="smollm2-135m-instruct", compute_dtype="bfloat16"))
+    # name: arithmetic (built in) | gsm8k | hotpotqa | toolworld
+    c.task = ConfigDict(dict(name="arithmetic", path="", split="test", num_tasks=16, offset=0, world_seed=0,
+                             failure_rate=0.0, corpus_path="", search_top_k=1))
+    # format: tags (SWiRL) | tool_call (PORTool); tools for the tag format.
+    # few_shot: worked examples shown before each question (math tasks).
+    c.env = ConfigDict(dict(format="tags", tools=("calculator",), invalid_action="error_observation", few_shot=2))
+    c.rollout = ConfigDict(dict(
+        episodes_per_task=1, max_steps=5, max_new_tokens=96, max_context=1024, batch_size=16,
+        temperature=0.7, top_k=0, top_p=1.0, tool_workers=16, tool_timeout_s=10.0,
+        # trees (PORTool): n leaves per task, branching factor f, schedule static | resample
+        tree=ConfigDict(dict(enabled=False, n=8, f=2, schedule="static", fork_depths=(1, 2, 3)))))
+    # kind: rule | local | http  (model judges take base_url/model/api_key_env/votes/cache_dir)
+    c.judge = ConfigDict(dict(
+        outcome=ConfigDict(dict(kind="rule", base_url="", model="", api_key_env="OPENAI_API_KEY", votes=1)),
+        process=ConfigDict(dict(kind="rule", base_url="", model="", api_key_env="OPENAI_API_KEY", votes=1)),
+        cache_dir="", partial_f1=0.0))
+    c.progress = True
+    return c

@@ -1,0 +1,343 @@
+"""The rollout engine: many episodes at once, tools between jitted generation calls.
+
+Per agent step, one sampler call generates the next action of every active episode
+(each episode is a row of the sampler's KV cache). Actions are parsed; the tool calls
+of all episodes run concurrently on a thread pool; each episode's observation tokens
+are appended to its cache row (continue, never re-prefill) as soon as its own tools
+are done, so a slow tool delays only its own episode: episodes whose tools are done
+generate their next action while the slow ones are still waiting.
+
+Trees (PORTool, METHODS 2.3) use the same machinery: a branch is a cache row, and a
+fork copies rows of the cache (`Sampler.fork`), so a shared prefix is computed once.
+
+Records are token-exact (agents/records.py): the ids and log-probs the sampler
+returned, and the observation ids exactly as appended.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import random
+import time
+from typing import Iterable, Iterator, Optional, Sequence
+
+import jax
+import numpy as np
+
+from steprl_jax.agents.environments import Task
+from steprl_jax.agents.records import Step, TreeNode, TreeRecord, Trajectory
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    max_steps: int = 5
+    max_new_tokens: int = 128
+    max_context: int = 2048
+    temperature: float = 1.0  # 0: greedy
+    top_k: int = 0
+    top_p: float = 1.0
+    batch_size: int = 16
+    tool_workers: int = 16
+    with_entropy: bool = False  # record per-token entropies (ARPO branches on them)
+    # Rows whose tools finish within this window after the first one join the same generation call.
+    coalesce_s: float = 0.02
+
+
+@dataclasses.dataclass
+class RolloutStats:
+    """Where the time and the tokens go."""
+
+    generate_s: float = 0.0
+    append_s: float = 0.0
+    prefill_s: float = 0.0
+    tool_wait_s: float = 0.0
+    prefill_tokens: int = 0
+    appended_tokens: int = 0
+    generated_tokens: int = 0
+    generate_calls: int = 0
+    forks: int = 0
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class _Branch:
+    """Host-side state of one cache row: an episode, or a branch of a tree."""
+
+    task: Task
+    row: int
+    steps: list  # list[Step] on this branch's path
+    node_ids: list  # tree node index of each step (trees only)
+    length: int  # tokens in the row's context (prompt + steps)
+    done: bool = False
+    termination: str = ""
+    final_answer: Optional[str] = None
+    future: Optional[concurrent.futures.Future] = None
+
+
+class RolloutEngine:
+    """Runs episodes of `env` with `sampler` (steprl_jax.sampling.Sampler)."""
+
+    def __init__(self, sampler, tokenizer, env, config: RolloutConfig, seed: int = 0):
+        self.sampler = sampler
+        self.tokenizer = tokenizer
+        self.env = env
+        self.config = config
+        self.key = jax.random.PRNGKey(seed)
+        self.stats = RolloutStats()
+        self._pool = concurrent.futures.ThreadPoolExecutor(config.tool_workers, thread_name_prefix="episode")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # --------------------------------------------------------------- prompts
+    def prompt(self, task: Task) -> tuple[str, list[int]]:
+        from steprl_jax.models import chat
+
+        messages, tools = self.env.messages(task), self.env.tool_schemas(task)
+        text = chat.apply_chat(self.tokenizer, messages, tools=tools, tokenize=False)
+        return text, chat.apply_chat(self.tokenizer, messages, tools=tools)
+
+    # ------------------------------------------------------------ trajectories
+    def run(self, episodes: Sequence[tuple[str, Task]]) -> Iterator[Trajectory]:
+        """Yield one Trajectory per (episode id, task), in batches of `config.batch_size`."""
+        for start in range(0, len(episodes), self.config.batch_size):
+            yield from self._run_batch(episodes[start:start + self.config.batch_size])
+
+    def _run_batch(self, episodes) -> list[Trajectory]:
+        prompts = [self.prompt(task) for _, task in episodes]
+        t0 = time.perf_counter()
+        state = self.sampler.prefill([ids for _, ids in prompts])
+        self.stats.prefill_s += time.perf_counter() - t0
+        self.stats.prefill_tokens += sum(len(ids) for _, ids in prompts)
+        branches = [_Branch(task, i, [], [], len(ids)) for i, ((_, task), (_, ids)) in enumerate(zip(episodes, prompts))]
+        self._drive(state, branches)
+        out = []
+        for (episode_id, task), (text, ids), branch in zip(episodes, prompts, branches):
+            out.append(Trajectory(
+                id=episode_id, query_id=task.id, question=task.question, prompt_text=text, prompt_ids=ids,
+                steps=branch.steps, reference_answer=task.reference, final_answer=branch.final_answer,
+                termination=branch.termination, metadata=dict(task.metadata)))
+        for task in {task.id: task for _, task in episodes}.values():
+            self.env.release(task)
+        return out
+
+    def _drive(self, state, branches: list[_Branch]) -> None:
+        """Step all branches to the end: generate for ready rows, act on the host, append observations."""
+        ready = [b for b in branches if not b.done]
+        waiting: list[_Branch] = []
+        while ready or waiting:
+            if ready:
+                state = self._generate_and_act(state, ready)
+                waiting += [b for b in ready if b.future is not None]
+                ready = []
+            if waiting:
+                t0 = time.perf_counter()
+                done, _ = concurrent.futures.wait([b.future for b in waiting],
+                                                  return_when=concurrent.futures.FIRST_COMPLETED)
+                time.sleep(self.config.coalesce_s)  # let near-simultaneous tools join this call
+                finished = [b for b in waiting if b.future.done()]
+                self.stats.tool_wait_s += time.perf_counter() - t0
+                waiting = [b for b in waiting if not b.future.done()]
+                state = self._append_observations(state, finished)
+                ready = [b for b in finished if not b.done]
+        return state
+
+    def _generate_and_act(self, state, rows: list[_Branch]):
+        """One jitted generation call for `rows` (other rows untouched), then their host work on the pool."""
+        from steprl_jax.sampling import SamplingParams
+
+        self.key, key = jax.random.split(self.key)
+        max_new = np.zeros(state.num_rows, np.int64)
+        max_new[[b.row for b in rows]] = self.config.max_new_tokens
+        c = self.config
+        params = SamplingParams(temperature=c.temperature if c.temperature > 0 else 1.0, top_k=c.top_k,
+                                top_p=c.top_p, greedy=c.temperature <= 0, with_entropy=c.with_entropy)
+        t0 = time.perf_counter()
+        state, generations = self.sampler.generate(state, key, max_new_tokens=max_new, params=params,
+                                                   stop=self.env.stop_strings)
+        elapsed = time.perf_counter() - t0
+        self.stats.generate_s += elapsed
+        self.stats.generate_calls += 1
+        for branch in rows:
+            generation = generations[branch.row]
+            self.stats.generated_tokens += len(generation.tokens)
+            branch.length += len(generation.tokens)
+            branch.future = self._pool.submit(self._act, branch, generation, elapsed / max(1, len(rows)))
+        return state
+
+    def _act(self, branch: _Branch, generation, generate_s: float) -> Step:
+        """Host work for one action: parse, run its tools, build the observation. Never raises."""
+        env, task = self.env, branch.task
+        # The text of exactly the sampled tokens (a token may carry a little past the stop string).
+        action_text = (generation.text or "") + generation.text_after_stop
+        parsed = env.parse(action_text)
+        calls = env.calls_for(parsed)
+        t0 = time.perf_counter()
+        results = env.registry_for(task).execute([c.to_json() for c in calls]) if calls else []
+        tool_s = time.perf_counter() - t0
+        outcome = env.outcome(task, parsed, results)
+        step = Step(
+            action_text=action_text, action_ids=[int(t) for t in generation.tokens],
+            action_logprobs=[float(x) for x in generation.logprobs],
+            observation_text=outcome.observation_text,
+            observation_ids=env.observation_ids(self.tokenizer, outcome.observation_text),
+            tool_calls=[c.to_json() for c in outcome.calls], tool_results=[r.to_json() for r in outcome.results],
+            kind=outcome.kind, format_problems=list(outcome.problems), format_checks=dict(outcome.format_checks),
+            finish_reason=generation.finish_reason,
+            action_entropies=None if generation.entropies is None else [float(x) for x in generation.entropies],
+            generate_s=generate_s, tool_s=tool_s)
+        branch.steps.append(step)
+        self._settle(branch, step, outcome.final_answer)
+        return step
+
+    def _settle(self, branch: _Branch, step: Step, final_answer: Optional[str]) -> None:
+        """Decide whether the branch ends after `step`, and why."""
+        if final_answer is not None:
+            branch.done, branch.termination, branch.final_answer = True, "answer", final_answer
+        elif step.finish_reason == "context":
+            branch.done, branch.termination = True, "context"
+        elif step.kind == "invalid" and self.env.invalid_action == "end":
+            branch.done, branch.termination = True, "unparseable"
+        elif len(branch.steps) >= self.config.max_steps:
+            branch.done, branch.termination = True, "step_cap"
+        elif branch.length + len(step.observation_ids) + self.config.max_new_tokens > self.config.max_context:
+            branch.done, branch.termination = True, "context"
+
+    def _append_observations(self, state, branches: list[_Branch]):
+        tokens = [[] for _ in range(state.num_rows)]
+        appended = 0
+        for branch in branches:
+            branch.future.result()  # re-raise a bug in host code here, not silently
+            branch.future = None
+            if branch.done:
+                continue
+            ids = branch.steps[-1].observation_ids
+            branch.length += len(ids)
+            tokens[branch.row] = ids
+            appended += len(ids)
+        if appended:
+            t0 = time.perf_counter()
+            state = self.sampler.append(state, tokens)
+            self.stats.append_s += time.perf_counter() - t0
+            self.stats.appended_tokens += appended
+        return state
+
+    # ------------------------------------------------------------------ trees
+    def run_trees(self, trees: Sequence[tuple[str, Task]], n: int, f: int, schedule: str = "static",
+                  fork_depths: Iterable[int] = (1, 2, 3), seed: int = 0) -> Iterator[TreeRecord]:
+        """One rollout tree with `n` leaves per (tree id, task); see METHODS 2.3 for the schedules."""
+        if schedule not in ("static", "resample"):
+            raise ValueError(f"unknown tree schedule {schedule!r} (static, resample)")
+        if n < 1 or f < 2 and schedule == "static" and n > 1:
+            raise ValueError(f"a tree needs n >= 1 and f >= 2 (got n={n}, f={f})")
+        rng = random.Random(seed)
+        per_batch = max(1, self.config.batch_size // n)
+        for start in range(0, len(trees), per_batch):
+            yield from self._run_tree_batch(trees[start:start + per_batch], n, f, schedule, set(fork_depths), rng)
+
+    def _run_tree_batch(self, trees, n, f, schedule, fork_depths, rng) -> list[TreeRecord]:
+        prompts = [self.prompt(task) for _, task in trees]
+        t0 = time.perf_counter()
+        state = self.sampler.prefill([ids for _, ids in prompts])
+        self.stats.prefill_s += time.perf_counter() - t0
+        self.stats.prefill_tokens += sum(len(ids) for _, ids in prompts)
+        records = [TreeRecord(tree_id, task.id, task.question, text, ids, reference_answer=task.reference,
+                              metadata=dict(task.metadata))
+                   for (tree_id, task), (text, ids) in zip(trees, prompts)]
+        branches = [_Branch(task, i, [], [], len(ids)) for i, ((_, task), (_, ids)) in enumerate(zip(trees, prompts))]
+        finished: list[_Branch] = []
+        depth = 0
+        while branches:
+            depth += 1
+            # Which branch rows to continue from, and how many copies of each.
+            if schedule == "static" or depth == 1:
+                copies = self._tree_copies(branches, finished, trees, n, f, depth, fork_depths, schedule)
+            else:  # resample: every open branch proposes f candidates
+                copies = {id(b): f for b in branches}
+            state = self._fork(state, [b.row for b in branches for _ in range(copies[id(b)])])
+            candidates = []
+            for b in branches:
+                for _ in range(copies[id(b)]):
+                    candidates.append(_Branch(b.task, len(candidates), list(b.steps), list(b.node_ids), b.length))
+            state = self._generate_and_act(state, candidates)
+            concurrent.futures.wait([c.future for c in candidates])  # trees advance in lock step
+            if schedule == "resample" and depth > 1:
+                candidates, state = self._resample(state, candidates, trees, finished, n, rng)
+            for cand in candidates:
+                record = records[self._tree_index(trees, cand.task)]
+                parent_node = cand.node_ids[-1] if cand.node_ids else -1
+                record.nodes.append(TreeNode(parent=parent_node, step=cand.steps[-1], depth=len(cand.steps)))
+                cand.node_ids.append(len(record.nodes) - 1)
+            state = self._append_observations(state, candidates)
+            finished += [c for c in candidates if c.done]
+            branches = [c for c in candidates if not c.done]
+            for c in finished:
+                if c.node_ids and str(c.node_ids[-1]) not in records[self._tree_index(trees, c.task)].leaf_terminations:
+                    record = records[self._tree_index(trees, c.task)]
+                    record.leaf_terminations[str(c.node_ids[-1])] = c.termination
+                    record.leaf_answers[str(c.node_ids[-1])] = c.final_answer
+        for (_, task) in trees:
+            self.env.release(task)
+        return [_prune_dead_ends(r) for r in records]
+
+    @staticmethod
+    def _tree_index(trees, task) -> int:
+        return next(i for i, (_, t) in enumerate(trees) if t.id == task.id)
+
+    def _tree_copies(self, branches, finished, trees, n, f, depth, fork_depths, schedule) -> dict:
+        """Static: fork every open branch f ways at the configured depths while the tree stays within n
+        leaves. Resample, first step: n copies of the prompt."""
+        copies = {}
+        for tree_index, (_, task) in enumerate(trees):
+            mine = [b for b in branches if b.task.id == task.id]
+            done = sum(1 for b in finished if b.task.id == task.id)
+            if schedule == "resample":
+                factor = n
+            else:
+                factor = f if depth in fork_depths and done + len(mine) * f <= n else 1
+            for b in mine:
+                copies[id(b)] = factor
+        return copies
+
+    def _resample(self, state, candidates, trees, finished, n, rng):
+        """Keep exactly n - n_finished of each tree's candidates, at random; drop the rest."""
+        keep = []
+        for _, task in trees:
+            mine = [i for i, c in enumerate(candidates) if c.task.id == task.id]
+            budget = n - sum(1 for b in finished if b.task.id == task.id)
+            keep += sorted(rng.sample(mine, min(budget, len(mine))))
+        keep.sort()
+        state = self._fork(state, [candidates[i].row for i in keep])
+        kept = []
+        for new_row, i in enumerate(keep):
+            c = candidates[i]
+            c.row = new_row
+            kept.append(c)
+        return kept, state
+
+    def _fork(self, state, rows: list[int]):
+        if rows == list(range(len(rows))) and len(rows) == state.num_rows:
+            return state
+        self.stats.forks += 1
+        return self.sampler.fork(state, rows)
+
+
+def _prune_dead_ends(record: TreeRecord) -> TreeRecord:
+    """Drop steps that lead to no finished trajectory (branches the resample schedule stopped)."""
+    terminal = {int(k) for k in record.leaf_terminations}
+    keep = set()
+    for leaf in terminal:
+        keep.update(record.path(leaf))
+    if len(keep) == len(record.nodes):
+        return record
+    new_index = {old: new for new, old in enumerate(sorted(keep))}
+    nodes = [TreeNode(parent=new_index.get(n.parent, -1), step=n.step, depth=n.depth)
+             for old, n in enumerate(record.nodes) if old in keep]
+    remap = lambda d: {str(new_index[int(k)]): v for k, v in d.items() if int(k) in new_index}
+    return dataclasses.replace(record, nodes=nodes, leaf_terminations=remap(record.leaf_terminations),
+                               leaf_answers=remap(record.leaf_answers), leaf_outcomes=remap(record.leaf_outcomes))

@@ -1,0 +1,77 @@
+"""Run metrics from trajectory records, and a one-page PNG summary."""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import tempfile
+from typing import Sequence
+
+from steprl_jax.agents.records import Trajectory
+
+
+def trajectory_metrics(trajectories: Sequence[Trajectory]) -> dict:
+    """Accuracy (outcome verdict 'true'), mean steps, terminations, tool error rate, process GOOD rate."""
+    n = len(trajectories)
+    outcomes = collections.Counter(t.judgements.get("outcome", {}).get("label", "missing") for t in trajectories)
+    terminations = collections.Counter(t.termination for t in trajectories)
+    calls = [r for t in trajectories for s in t.steps for r in s.tool_results]
+    tool_errors = sum(1 for r in calls if "error" in r)
+    process = [v.get("label") for t in trajectories for v in t.judgements.get("process", [])]
+    gen_tokens = sum(len(s.action_ids) for t in trajectories for s in t.steps)
+    kinds = collections.Counter(s.kind for t in trajectories for s in t.steps)
+    return {
+        "episodes": n,
+        "accuracy": outcomes.get("true", 0) / n if n else 0.0,
+        "outcomes": dict(outcomes),
+        "mean_steps": sum(len(t.steps) for t in trajectories) / n if n else 0.0,
+        "terminations": dict(terminations),
+        "action_kinds": dict(kinds),
+        "tool_calls": len(calls),
+        "tool_error_rate": tool_errors / len(calls) if calls else 0.0,
+        "process_good_rate": process.count("GOOD") / len(process) if process else None,
+        "process_unparsed": sum(1 for p in process if p not in ("GOOD", "BAD")),
+        "generated_tokens": gen_tokens,
+    }
+
+
+def write_json_atomic(path: str, data) -> None:
+    """Write to a temporary file in the same folder, then rename: a reader never sees half a file."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def summary_plot(metrics: dict, trajectories: Sequence[Trajectory], path: str, title: str = "") -> None:
+    """Outcomes, terminations and steps per episode on one PNG (written atomically)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    panels = [("outcome verdicts", metrics["outcomes"]), ("terminations", metrics["terminations"])]
+    for ax, (name, counts) in zip(axes, panels):
+        labels = sorted(counts)
+        ax.bar(labels, [counts[k] for k in labels], color="#4c72b0")
+        ax.set_title(name)
+        ax.tick_params(axis="x", rotation=20)
+    steps = collections.Counter(len(t.steps) for t in trajectories)
+    xs = sorted(steps)
+    axes[2].bar([str(x) for x in xs], [steps[x] for x in xs], color="#55a868")
+    axes[2].set_title("actions per episode")
+    good = metrics.get("process_good_rate")
+    fig.suptitle(f"{title}  accuracy {metrics['accuracy']:.1%}  mean steps {metrics['mean_steps']:.2f}  "
+                 f"tool errors {metrics['tool_error_rate']:.1%}"
+                 + (f"  process GOOD {good:.1%}" if good is not None else ""))
+    fig.tight_layout()
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".png")
+    os.close(fd)
+    fig.savefig(tmp, dpi=90)
+    plt.close(fig)
+    os.replace(tmp, path)

@@ -1,0 +1,137 @@
+"""From a config to (tasks, environment, outcome rule): the task families the main job knows.
+
+* arithmetic — the built-in word problems (calculator, tag format)
+* gsm8k      — GSM8K JSONL (calculator, tag format)
+* hotpotqa   — HotPotQA JSONL (BM25 search over its context paragraphs, tag format)
+* toolworld  — the seeded assistant tool world (think + tool_call format), per-episode tools
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from steprl_jax.agents.environments import TaggedEnv, Task, ToolCallEnv
+from steprl_jax.judges import rules
+from steprl_jax.tools.registry import ToolRegistry
+
+
+@dataclasses.dataclass
+class TaskSuite:
+    tasks: list[Task]
+    env: object  # TaggedEnv | ToolCallEnv
+    # (task, trajectory) -> "true" | "false" | "unable_to_answer"
+    outcome_rule: Callable
+
+
+def _select(items, config):
+    start = int(config.task.offset)
+    return items[start:start + int(config.task.num_tasks)] if config.task.num_tasks else items[start:]
+
+
+def build_suite(config) -> TaskSuite:
+    name = config.task.name
+    if name in ("arithmetic", "gsm8k"):
+        tasks = _math_tasks(config)
+        from steprl_jax.data.arithmetic import arithmetic_problems
+
+        # Worked examples from a seed no evaluation set uses.
+        examples = [p.demonstration() for p in arithmetic_problems(8, seed=10_007)[1:1 + int(config.env.few_shot)]]
+        return TaskSuite(tasks, _tagged_env(config, search_index=None, examples=examples),
+                         lambda task, traj: rules.gsm8k_outcome(traj.final_answer, task.reference))
+    if name == "hotpotqa":
+        from steprl_jax.data.hotpotqa import load_hotpotqa
+        from steprl_jax.tools.search import BM25Search
+
+        if not config.task.path:
+            raise ValueError("config.task.path: a HotPotQA JSONL file is needed for task.name=hotpotqa")
+        examples = _select(load_hotpotqa(config.task.path), config)
+        tasks = [Task(e.id, e.question, list(e.answers)) for e in examples]
+        corpus = config.task.corpus_path or config.task.path
+        index = (BM25Search.from_jsonl(corpus) if corpus.endswith(".jsonl") and corpus != config.task.path
+                 else BM25Search.from_hotpotqa(corpus))
+        partial = float(config.judge.partial_f1) or None
+        return TaskSuite(tasks, _tagged_env(config, search_index=index),
+                         lambda task, traj: rules.hotpotqa_outcome(traj.final_answer, task.reference, partial))
+    if name == "toolworld":
+        return _toolworld_suite(config)
+    raise ValueError(f"config.task.name: unknown task {name!r} (arithmetic, gsm8k, hotpotqa, toolworld)")
+
+
+def _math_tasks(config) -> list[Task]:
+    if config.task.name == "arithmetic":
+        from steprl_jax.data.arithmetic import arithmetic_problems
+
+        n = int(config.task.offset) + int(config.task.num_tasks or 32)
+        return [Task(p.id, p.question, p.answer) for p in _select(arithmetic_problems(n, seed=config.seed), config)]
+    from steprl_jax.data.gsm8k import load_gsm8k
+
+    if not config.task.path:
+        raise ValueError("config.task.path: a GSM8K JSONL file is needed for task.name=gsm8k")
+    problems = load_gsm8k(config.task.path)
+    offset = int(config.task.offset)
+    return [Task(f"gsm8k-{offset + i}", p.question, p.answer) for i, p in enumerate(_select(problems, config))]
+
+
+def _tagged_env(config, search_index, examples=()) -> TaggedEnv:
+    from steprl_jax.tools.calculator import calculator_tool
+    from steprl_jax.tools.search import search_tool
+
+    tools = []
+    for name in config.env.tools:
+        if name == "calculator":
+            tools.append(calculator_tool())
+        elif name == "search":
+            if search_index is None:
+                raise ValueError("config.env.tools: 'search' needs a corpus (task.name=hotpotqa or task.corpus_path)")
+            tools.append(search_tool(search_index, k=int(config.task.search_top_k)))
+        else:
+            raise ValueError(f"config.env.tools: unknown tool {name!r} for the tag format (calculator, search)")
+    registry = ToolRegistry(tools, default_timeout_s=float(config.rollout.tool_timeout_s),
+                            max_workers=int(config.rollout.tool_workers))
+    return TaggedEnv(registry, invalid_action=config.env.invalid_action, examples=examples)
+
+
+def _toolworld_suite(config) -> TaskSuite:
+    from steprl_jax.tools.world.generate import generate_world
+    from steprl_jax.tools.world.queries import make_splits
+    from steprl_jax.tools.world.tools import make_registry
+
+    world = generate_world(int(config.task.world_seed))
+    n = int(config.task.offset) + int(config.task.num_tasks or 64)
+    splits = make_splits(int(config.task.world_seed), n, n, seed=int(config.seed))
+    if config.task.split not in splits:
+        raise ValueError(f"config.task.split: {config.task.split!r} is not one of {sorted(splits)}")
+    queries = _select(splits[config.task.split], config)
+    by_id = {q.id: q for q in queries}
+    tasks = [Task(q.id, q.question, q.answer, {"context": _context_line(q)}) for q in queries]
+    failure_rate = float(config.task.failure_rate)
+
+    def registry_for(task: Task) -> ToolRegistry:
+        return make_registry(world, by_id[task.id].context, failure_rate=failure_rate, salt=task.id)
+
+    env = ToolCallEnv(registry_factory=registry_for, invalid_action=config.env.invalid_action)
+
+    def outcome(task: Task, traj) -> str:
+        failed = any("error" in r and r["error"].get("type") == "tool_failure"
+                     for s in traj.steps for r in s.tool_results)
+        return rules.toolworld_outcome(traj.final_answer, task.reference, failed)
+
+    return TaskSuite(tasks, env, outcome)
+
+
+def _context_line(query) -> str:
+    ctx = query.context
+    return f"(The user is in {ctx.user_city}; the current time is {ctx.now_utc.isoformat()} UTC.)"
+
+
+def process_rule(task: Task, trajectory, step_index: int) -> rules.ProcessVerdict:
+    """The rule process judge for one SWiRL step: question + state so far + the action; no gold answer."""
+    from steprl_jax.agents.formats import parse_tagged_action
+
+    step = trajectory.steps[step_index]
+    context = "".join(s.action_text + s.observation_text for s in trajectory.steps[:step_index])
+    previous = [c["arguments"].get("query", "") for s in trajectory.steps[:step_index]
+                for c in s.tool_calls if c.get("name") == "search"]
+    parsed = parse_tagged_action(step.action_text)
+    return rules.judge_step(task.question, context, parsed.kind, parsed.content, previous)
+
