@@ -1,0 +1,117 @@
+"""Chat prompts: the checkpoint's own template, or a documented generic rendering.
+
+`apply_chat(tokenizer, messages, tools=None)` renders OpenAI-style messages
+(`{"role": "system"|"user"|"assistant"|"tool", "content": str}`) to token ids.
+
+* The tokenizer has a chat template that uses `tools`: the template renders the
+  tool definitions itself (`apply_chat_template(..., tools=tools)`).
+* The template ignores `tools` (SmolLM2's, for one): the definitions are put in
+  the system message by `render_tools` (merged into the first system message, or
+  as a new first one) and the template renders the rest.
+* No template (Gemma 3 270M base): `GENERIC_TEMPLATE` below, Gemma-style turns
+  when the vocabulary has `<start_of_turn>`/`<end_of_turn>`, else ChatML when it
+  has `<|im_start|>`/`<|im_end|>`, else plain "Role: text" lines. System text
+  goes before the first user turn, "tool" messages become user turns wrapped in
+  <tool_response>...</tool_response>, and a generation prompt opens the
+  assistant turn. The rendered text starts with the BOS token when the
+  tokenizer adds one to plain text.
+
+Tool definitions are OpenAI function schemas:
+`{"type": "function", "function": {"name", "description", "parameters": <JSON schema>}}`.
+Calls are expected back as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
+"""
+from __future__ import annotations
+
+import json
+from typing import Optional, Sequence
+
+TOOLS_PREAMBLE = (
+    "You may call one or more functions to assist with the user query.\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n"
+    "</tool_call>"
+)
+
+_GEMMA_TURNS = """{{ bos }}{%- set ns = namespace(system='') -%}
+{%- for m in messages -%}
+{%- if m['role'] == 'system' -%}{%- set ns.system = ns.system + m['content'] + '\n\n' -%}
+{%- else -%}
+{%- set role = 'model' if m['role'] == 'assistant' else 'user' -%}
+{%- set text = '<tool_response>\n' + m['content'] + '\n</tool_response>' if m['role'] == 'tool' else m['content'] -%}
+{{ '<start_of_turn>' + role + '\n' + ns.system + text + '<end_of_turn>\n' }}{%- set ns.system = '' -%}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"""
+
+_CHATML = """{{ bos }}{%- for m in messages -%}
+{%- set text = '<tool_response>\n' + m['content'] + '\n</tool_response>' if m['role'] == 'tool' else m['content'] -%}
+{%- set role = 'user' if m['role'] == 'tool' else m['role'] -%}
+{{ '<|im_start|>' + role + '\n' + text + '<|im_end|>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"""
+
+_PLAIN = """{{ bos }}{%- for m in messages -%}
+{%- set text = '<tool_response>\n' + m['content'] + '\n</tool_response>' if m['role'] == 'tool' else m['content'] -%}
+{%- set role = 'User' if m['role'] == 'tool' else m['role'] | capitalize -%}
+{{ role + ': ' + text + '\n\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{ 'Assistant:' }}{%- endif -%}"""
+
+
+def generic_template(tokenizer) -> str:
+    """The generic chat template for a tokenizer without one (see the module docstring)."""
+    vocab = tokenizer.get_vocab()
+    if "<start_of_turn>" in vocab and "<end_of_turn>" in vocab:
+        return _GEMMA_TURNS
+    if "<|im_start|>" in vocab and "<|im_end|>" in vocab:
+        return _CHATML
+    return _PLAIN
+
+
+def render_tools(tools: Sequence[dict]) -> str:
+    """The system-prompt text that lists `tools` (used where the template cannot)."""
+    return TOOLS_PREAMBLE.format(tools="\n".join(json.dumps(t, sort_keys=True) for t in tools))
+
+
+def template_supports_tools(tokenizer) -> bool:
+    template = tokenizer.chat_template
+    return isinstance(template, str) and "tools" in template
+
+
+def apply_chat(tokenizer, messages: Sequence[dict], tools: Optional[Sequence[dict]] = None,
+               add_generation_prompt: bool = True, tokenize: bool = True):
+    """Token ids (list of int) of the chat prompt, or its text when `tokenize=False`."""
+    messages = [dict(m) for m in messages]
+    for i, m in enumerate(messages):
+        if "role" not in m or "content" not in m:
+            raise ValueError(f"message {i} needs 'role' and 'content', got keys {sorted(m)}")
+    has_template = bool(tokenizer.chat_template)
+    if tools and not (has_template and template_supports_tools(tokenizer)):
+        messages = _with_tools_in_system(messages, tools)
+        tools = None
+    kwargs = {}
+    if not has_template:
+        kwargs["chat_template"] = generic_template(tokenizer)
+        kwargs["bos"] = tokenizer.bos_token if _adds_bos(tokenizer) else ""
+    text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                         tokenize=False, **kwargs)
+    if not tokenize:
+        return text
+    # The template already wrote every special token (BOS included) it wants.
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _with_tools_in_system(messages: list, tools) -> list:
+    preamble = render_tools(tools)
+    if messages and messages[0]["role"] == "system":
+        first = dict(messages[0], content=messages[0]["content"] + "\n\n" + preamble)
+        return [first] + messages[1:]
+    return [{"role": "system", "content": preamble}] + messages
+
+
+def _adds_bos(tokenizer) -> bool:
+    if tokenizer.bos_token_id is None:
+        return False
+    ids = tokenizer("a")["input_ids"]
+    return bool(ids) and ids[0] == tokenizer.bos_token_id
