@@ -73,3 +73,13 @@ def test_items_from_a_record():
     assert item.tool_failed and item.reference == "sunny" and item.final_answer == "I could not get it"
     assert len(item.trajectory) == 3
     assert outcome_item(trajectory) == OutcomeItem("weather in Paris?", "I could not get it", "sunny")
+
+
+def test_build_backend_as_the_main_job_calls_it(tmp_path):
+    from steprl_jax.judges import build_backend
+
+    backend = build_backend({"kind": "http", "base_url": "http://127.0.0.1:1/v1", "model": "m",
+                             "api_key_env": "", "votes": 3}, cache_dir=str(tmp_path))
+    assert isinstance(backend, CachedBackend) and backend.cache.root == str(tmp_path)
+    with pytest.raises(ValueError, match="no chat backend"):
+        build_backend({"kind": "rule"})

@@ -186,7 +186,9 @@ def test_api_key_is_sent_but_never_logged_or_recorded(stub, monkeypatch, caplog,
     assert SECRET not in str(failure.value) and SECRET not in repr(backend) and SECRET not in caplog.text
     assert SECRET not in json.dumps(cached.request([{"role": "user", "content": "x"}], 1, 0.0, 5))
     with pytest.raises(ValueError, match="JUDGE_KEY_MISSING"):
-        HttpChatBackend(stub.base_url, "m", api_key_env="JUDGE_KEY_MISSING")
+        HttpChatBackend("https://judge.example.org/v1", "m", api_key_env="JUDGE_KEY_MISSING")
+    # A local endpoint is called without a key when the variable is unset.
+    assert HttpChatBackend(stub.base_url, "m", api_key_env="JUDGE_KEY_MISSING")._api_key is None
 
 
 def test_concurrency_limit_and_a_slow_call_does_not_block_the_batch(stub):

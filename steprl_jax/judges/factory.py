@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from steprl_jax.judges.backends import CachedBackend
+from steprl_jax.judges.backends import CachedBackend, ChatBackend
 from steprl_jax.judges.cache import ReplyCache
 from steprl_jax.judges.model_judges import ModelJudge, OutcomeJudge, ProcessJudge, TrajectoryVerdictJudge
 from steprl_jax.judges.rule_judges import RuleOutcomeJudge, RuleProcessJudge, RuleTrajectoryJudge
@@ -42,22 +42,38 @@ def _pick(config: dict, keys: tuple[str, ...]) -> dict:
     return {k: config[k] for k in keys if k in config and config[k] is not None and config[k] != ""}
 
 
-def build_judge(config: Mapping[str, Any], role: str, *, rule: str | None = None, local_model=None):
-    """A judge for `role` from `config` (a dict or ConfigDict). See the module docstring."""
+def _checked(config: Any) -> dict:
     config = _plain(config)
     unknown = sorted(set(config) - KNOWN_KEYS)
     if unknown:
         raise ValueError(f"unknown judge config key(s) {unknown}; known: {sorted(KNOWN_KEYS)}")
-    if role not in ROLES:
-        raise ValueError(f"judge role must be one of {ROLES}, got {role!r}")
     kind = config.get("kind", "rule")
     if kind not in KINDS:
         raise ValueError(f"judge kind must be one of {KINDS}, got {kind!r}")
+    return config
+
+
+def build_backend(config: Mapping[str, Any], *, cache_dir: str | None = None, local_model=None) -> ChatBackend:
+    """The chat backend of a model judge config (kind "http" or "local"), behind the reply cache when
+    `cache_dir` (argument or config key) is set."""
+    config = _checked(config)
+    kind = config.get("kind", "rule")
     if kind == "rule":
-        return _rule_judge(config, role, rule)
+        raise ValueError("a rule judge has no chat backend")
     backend = _http_backend(config) if kind == "http" else _local_backend(config, local_model)
-    if config.get("cache_dir"):
-        backend = CachedBackend(backend, ReplyCache(config["cache_dir"]))
+    cache_dir = cache_dir or config.get("cache_dir")
+    return CachedBackend(backend, ReplyCache(cache_dir)) if cache_dir else backend
+
+
+def build_judge(config: Mapping[str, Any], role: str, *, rule: str | None = None, local_model=None,
+                cache_dir: str | None = None):
+    """A judge for `role` from `config` (a dict or ConfigDict). See the module docstring."""
+    config = _checked(config)
+    if role not in ROLES:
+        raise ValueError(f"judge role must be one of {ROLES}, got {role!r}")
+    if config.get("kind", "rule") == "rule":
+        return _rule_judge(config, role, rule)
+    backend = build_backend(config, cache_dir=cache_dir, local_model=local_model)
     return _MODEL_JUDGES[role](backend, **_pick(config, _JUDGE_KEYS))
 
 

@@ -53,11 +53,12 @@ class HttpChatBackend:
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.api_key_env = api_key_env
-        self._api_key = None
-        if api_key_env:
-            self._api_key = os.environ.get(api_key_env)
-            if not self._api_key:
+        self._api_key = os.environ.get(api_key_env) if api_key_env else None
+        if api_key_env and not self._api_key:
+            # A server on this machine (e.g. `python -m steprl_jax.serve`) usually needs no key.
+            if parsed.hostname not in _LOOPBACK:
                 raise ValueError(f"judge API key environment variable {api_key_env!r} is not set")
+            log.info("%s is not set: calling the local endpoint %s without a key", api_key_env, self.base_url)
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s

@@ -23,6 +23,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-context", type=int, default=4096, help="positions per sequence")
     parser.add_argument("--compute-dtype", default=None, choices=("float32", "bfloat16"))
     parser.add_argument("--max-batch-rows", type=int, default=32, help="rows per generate call across requests")
+    parser.add_argument("--min-batch-rows", type=int, default=1,
+                        help="pad batches to this many rows: fewer compiled programs, more compute per call")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--api-key-env", default=None,
                         help="require `Authorization: Bearer $VAR` (the key is read from this variable)")
@@ -50,7 +52,7 @@ def main(argv=None) -> int:
         return 2
     max_context = min(args.max_context, model.config.max_position_embeddings)
     engine = ChatEngine(model, tokenizer, max_context=max_context, seed=args.seed,
-                        max_batch_rows=args.max_batch_rows)
+                        max_batch_rows=args.max_batch_rows, min_batch_rows=args.min_batch_rows)
     server = ChatServer(engine, args.name or args.model, args.host, args.port, api_key)
     print(f"serving {server.model_name} at {server.url}", flush=True)
     try:
