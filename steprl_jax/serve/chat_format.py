@@ -1,10 +1,9 @@
 """OpenAI chat messages <-> prompt text and tool calls, for a tokenizer's chat template.
 
 In: messages (system/user/assistant/tool, assistant `tool_calls`) and optional `tools` (OpenAI
-function schemas). Templates that understand tools get them as `tools=`; for templates that do not
-(e.g. SmolLM2's plain ChatML), the tool schemas and the call format are described in the system
-message and earlier assistant tool calls are written into the text as `<tool_call>[...]</tool_call>`,
-the format our agents use. A tokenizer without a template gets a plain "role: content" rendering.
+function schemas), rendered by `steprl_jax.models.chat.apply_chat`. For templates that have no place
+for assistant tool calls (e.g. SmolLM2's plain ChatML), earlier calls are written into the text as
+`<tool_call>[...]</tool_call>`, the format our agents use.
 
 Out: `<tool_call>` blocks in the generated text (a JSON object or a list of them, each
 {"name", "arguments"}) become OpenAI `tool_calls`.
@@ -16,10 +15,8 @@ import re
 import uuid
 from typing import Any, Mapping, Sequence
 
-TOOLS_INSTRUCTION = (
-    "You can call these tools (JSON schemas):\n<tools>\n{schemas}\n</tools>\n"
-    "To call tools, write <tool_call>[{{\"name\": TOOL_NAME, \"arguments\": {{...}}}}]</tool_call>; "
-    "the results come back in a tool message.")
+from steprl_jax.models.chat import apply_chat
+
 _TOOL_CALL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
@@ -83,32 +80,19 @@ def normalize_messages(messages: Any, inline_tool_calls: bool) -> list[dict]:
     return out
 
 
-def _template(tokenizer) -> str:
-    template = getattr(tokenizer, "chat_template", None)
-    return template if isinstance(template, str) else ""
-
-
 def render_prompt(tokenizer, messages: Any, tools: Sequence[Mapping] | None = None) -> str:
-    """The prompt text for `messages` (and `tools`), ending where the assistant's reply begins."""
-    template = _template(tokenizer)
-    native_tools = "tools" in template
-    native_calls = "tool_calls" in template
+    """The prompt text for `messages` (and `tools`), ending where the assistant's reply begins.
+
+    Rendering is `models.chat.apply_chat`, the same as the rollouts use: the checkpoint's template
+    (tools in the system message when the template has no place for them), or the generic one.
+    """
+    template = getattr(tokenizer, "chat_template", None)
+    native_calls = isinstance(template, str) and "tool_calls" in template
     messages = normalize_messages(messages, inline_tool_calls=not native_calls)
-    if tools:
-        if not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools):
-            raise RequestError("tools must be a list of objects")
-        if not native_tools:
-            schemas = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-            instruction = TOOLS_INSTRUCTION.format(schemas=schemas)
-            if messages[0]["role"] == "system":
-                messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + instruction}
-            else:
-                messages.insert(0, {"role": "system", "content": instruction})
-    if not template:
-        return "".join(f"{m['role']}: {m['content']}\n\n" for m in messages) + "assistant:"
-    kwargs = {"tools": list(tools)} if tools and native_tools else {}
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools)):
+        raise RequestError("tools must be a list of objects")
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+        return apply_chat(tokenizer, messages, tools=list(tools) if tools else None, tokenize=False)
     except Exception as error:  # e.g. a template that only accepts alternating user/assistant turns
         raise RequestError(f"the model's chat template rejected the messages: {error}") from None
 
