@@ -14,12 +14,29 @@ action becomes an error observation (or ends the episode, by policy).
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 from typing import Any, Callable, Optional, Sequence
 
 from steprl_jax.agents import formats
 from steprl_jax.tools.protocol import ToolCall, ToolResult
 from steprl_jax.tools.registry import ToolRegistry
+
+
+MAX_RESULT_CHARS = 4000  # a tool result longer than this reaches the agent truncated, with a marker
+
+
+def clip_result(result: ToolResult, max_chars: int = MAX_RESULT_CHARS) -> ToolResult:
+    """A result whose content fits in `max_chars` characters of text; longer content is cut and marked.
+
+    A tool that returns megabytes must not flood the context (or the records)."""
+    if not result.ok:
+        return result
+    text = result.content if isinstance(result.content, str) else json.dumps(result.content, ensure_ascii=False)
+    if len(text) <= max_chars:
+        return result
+    clipped = f"{text[:max_chars]}... [truncated: {len(text) - max_chars} more characters]"
+    return dataclasses.replace(result, content=clipped)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,7 +25,7 @@ from typing import Iterable, Iterator, Optional, Sequence
 import jax
 import numpy as np
 
-from steprl_jax.agents.environments import Task
+from steprl_jax.agents.environments import Task, clip_result
 from steprl_jax.agents.records import Step, TreeNode, TreeRecord, Trajectory
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,7 @@ class RolloutConfig:
     batch_size: int = 16
     tool_workers: int = 16
     with_entropy: bool = False  # record per-token entropies (ARPO branches on them)
+    max_result_chars: int = 4000  # longer tool results reach the agent cut, with a marker
     # Rows whose tools finish within this window after the first one join the same generation call.
     coalesce_s: float = 0.02
 
@@ -89,6 +90,7 @@ class RolloutEngine:
         self.config = config
         self.key = jax.random.PRNGKey(seed)
         self.stats = RolloutStats()
+        self._max_context = min(config.max_context, getattr(sampler, "max_context", config.max_context))
         self._pool = concurrent.futures.ThreadPoolExecutor(config.tool_workers, thread_name_prefix="episode")
 
     def close(self) -> None:
@@ -179,6 +181,7 @@ class RolloutEngine:
         calls = env.calls_for(parsed)
         t0 = time.perf_counter()
         results = env.registry_for(task).execute([c.to_json() for c in calls]) if calls else []
+        results = [clip_result(r, self.config.max_result_chars) for r in results]
         tool_s = time.perf_counter() - t0
         outcome = env.outcome(task, parsed, results)
         step = Step(
@@ -205,7 +208,7 @@ class RolloutEngine:
             branch.done, branch.termination = True, "unparseable"
         elif len(branch.steps) >= self.config.max_steps:
             branch.done, branch.termination = True, "step_cap"
-        elif branch.length + len(step.observation_ids) + self.config.max_new_tokens > self.config.max_context:
+        elif branch.length + len(step.observation_ids) + self.config.max_new_tokens > self._max_context:
             branch.done, branch.termination = True, "context"
 
     def _append_observations(self, state, branches: list[_Branch]):

@@ -95,13 +95,16 @@ def rollout_config(config) -> RolloutConfig:
                          top_p=float(r.top_p), batch_size=int(r.batch_size), tool_workers=int(r.tool_workers))
 
 
-def evaluate(config) -> dict:
+def evaluate(config, model_and_tokenizer=None) -> dict:
+    """Run the configured evaluation; `model_and_tokenizer` skips loading `config.model.source`."""
     from steprl_jax.models import load_pretrained
     from steprl_jax.sampling import Sampler
 
     os.makedirs(config.workdir, exist_ok=True)
     suite = build_suite(config)
-    model, tokenizer = load_pretrained(config.model.source, compute_dtype=config.model.compute_dtype)
+    if model_and_tokenizer is None:
+        model_and_tokenizer = load_pretrained(config.model.source, compute_dtype=config.model.compute_dtype)
+    model, tokenizer = model_and_tokenizer
     sampler = Sampler(model, tokenizer, max_context=int(config.rollout.max_context))
     engine = RolloutEngine(sampler, tokenizer, suite.env, rollout_config(config), seed=int(config.seed))
     judging = Judging(config, suite, local_model=(model, tokenizer))

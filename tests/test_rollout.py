@@ -1,0 +1,156 @@
+"""The rollout engine end to end with the real SmolLM2-135M-Instruct and real tools.
+
+Greedy decoding, few steps, short actions: the point is exactness of what is recorded,
+not the quality of a 135M model's answers.
+"""
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from steprl_jax.agents.environments import TaggedEnv, Task
+from steprl_jax.agents.records import RecordStore
+from steprl_jax.agents.rollout import RolloutConfig, RolloutEngine
+from steprl_jax.agents.tree_batch import tree_rows
+from steprl_jax.data.arithmetic import arithmetic_problems
+from steprl_jax.ops.advantages import tree_advantages
+from steprl_jax.ops.logprobs import token_logprobs
+from steprl_jax.ops.tree_arrays import node_values_to_tokens, stack_trees
+from steprl_jax.tools.calculator import calculator_tool
+from steprl_jax.tools.protocol import Tool, object_schema
+from steprl_jax.tools.registry import ToolRegistry
+
+GREEDY = dict(temperature=0.0, max_new_tokens=24, max_context=1024, batch_size=4)
+
+
+@pytest.fixture(scope="module")
+def smol():
+    from steprl_jax.models import load_pretrained
+    from steprl_jax.sampling import Sampler
+
+    model, tokenizer = load_pretrained("smollm2-135m-instruct")
+    return model, tokenizer, Sampler(model, tokenizer, max_context=1024)
+
+
+def _tasks(n, seed=0):
+    return [Task(p.id, p.question, p.answer) for p in arithmetic_problems(n, seed=seed)]
+
+
+def _env(tools=None):
+    examples = [p.demonstration() for p in arithmetic_problems(4, seed=10_007)[1:3]]
+    return TaggedEnv(ToolRegistry(tools or [calculator_tool()]), examples=examples)
+
+
+def _rescore(model, ids):
+    hidden = model.hidden_states(jnp.asarray([ids[:-1]]))
+    return np.asarray(token_logprobs(hidden, model.unembedding(), jnp.asarray([ids[1:]])))[0]
+
+
+def test_records_reproduce_the_models_logprobs(smol):
+    model, tokenizer, sampler = smol
+    engine = RolloutEngine(sampler, tokenizer, _env(), RolloutConfig(max_steps=3, **GREEDY))
+    trajectories = list(engine.run([(f"e{i}", t) for i, t in enumerate(_tasks(2))]))
+    assert any(s.kind == "math" and s.observation_ids for t in trajectories for s in t.steps)
+    for trajectory in trajectories:
+        ids = trajectory.all_ids()
+        logp = _rescore(model, ids)
+        position = len(trajectory.prompt_ids)
+        for step in trajectory.steps:
+            recorded = np.asarray(step.action_logprobs)
+            # logp[j] scores ids[j + 1]: the action starts at `position`.
+            np.testing.assert_allclose(logp[position - 1:position - 1 + len(recorded)], recorded, atol=1e-4)
+            assert tokenizer.decode(step.action_ids, skip_special_tokens=True) == step.action_text
+            position += len(step.action_ids) + len(step.observation_ids)
+        assert trajectory.termination in ("answer", "step_cap", "context")
+    # Cache continuation, not re-prefill: only the prompts were prefilled.
+    assert engine.stats.prefill_tokens == sum(len(t.prompt_ids) for t in trajectories)
+
+
+def _faulty(kind):
+    def run(expression):
+        if kind == "raise":
+            raise RuntimeError("disk on fire")
+        if kind == "hang":
+            time.sleep(3)
+        return "9" * 10_000_000  # 10 MB
+
+    return Tool("calculator", "a calculator that misbehaves", object_schema({"expression": {"type": "string"}}),
+                run, timeout_s=0.5)
+
+
+@pytest.mark.parametrize("kind,expected", [("raise", "tool_failure"), ("hang", "timeout"), ("huge", "truncated")])
+def test_a_faulty_tool_is_an_observation_and_the_episode_goes_on(smol, kind, expected):
+    model, tokenizer, sampler = smol
+    config = RolloutConfig(max_steps=2, max_result_chars=300, **GREEDY)
+    engine = RolloutEngine(sampler, tokenizer, _env([_faulty(kind)]), config)
+    (trajectory,) = engine.run([("e0", _tasks(1)[0])])
+    first = trajectory.steps[0]
+    assert first.kind == "math", first.action_text
+    assert expected in first.observation_text
+    assert len(first.observation_text) < 1000
+    assert len(trajectory.steps) == 2  # the episode went on after the fault
+
+
+@pytest.mark.parametrize("schedule", ["static", "resample"])
+def test_tree_shares_its_prefix_and_converts_to_advantages(smol, schedule):
+    model, tokenizer, sampler = smol
+    config = RolloutConfig(max_steps=3, **{**GREEDY, "temperature": 1.0, "batch_size": 8})
+    engine = RolloutEngine(sampler, tokenizer, _env(), config, seed=3)
+    tasks = _tasks(2)
+    trees = list(engine.run_trees([(f"tree{i}", t) for i, t in enumerate(tasks)], n=4, f=2,
+                                  schedule=schedule, fork_depths=(1, 2), seed=0))
+    # Each prompt is prefilled once; branches come from cache forks.
+    assert engine.stats.prefill_tokens == sum(len(t.prompt_ids) for t in trees)
+    assert engine.stats.forks >= 1
+    for tree in trees:
+        leaves = tree.leaves()
+        assert 1 <= len(leaves) <= 4
+        assert set(tree.leaf_terminations) == {str(leaf) for leaf in leaves}
+        tree.leaf_outcomes = {str(leaf): float(i % 3 - 1) for i, leaf in enumerate(leaves)}
+    rollout_trees, rows = zip(*[tree_rows(t) for t in trees])
+    arrays = stack_trees(list(rollout_trees), max_nodes=16)
+    rewards, advantages = jax.vmap(lambda p, o, f, v: tree_advantages(p, o, f, valid_n=v))(
+        arrays.parent, arrays.leaf_outcome, arrays.fm_reward, arrays.valid)
+    assert np.all(np.isfinite(np.asarray(advantages)))
+    # Each tree's rows have their own index space; scatter one tree and check the shared step.
+    tree0, rows0 = rollout_trees[0], rows[0]
+    width = max(len(r) for r in rows0)
+    per_token = node_values_to_tokens([tree0], np.asarray(advantages)[:1], shape=(len(rows0), width))
+    first = tree0.nodes[0]
+    for row, start, end in first.spans:
+        np.testing.assert_allclose(per_token[row, start:end], float(advantages[0, 0]))
+        assert rows0[row][start:end] == trees[0].nodes[0].step.action_ids
+
+
+def test_interrupted_run_resumes_to_the_same_records(smol, tmp_path):
+    from configs import demo
+    from steprl_jax.evaluation import runner
+
+    model, tokenizer, _ = smol
+
+    def config(workdir, n):
+        c = demo.get_config()
+        c.workdir = str(workdir)
+        c.task.num_tasks = n
+        c.model.compute_dtype = "float32"
+        c.progress = False
+        c.rollout.update(temperature=0.0, max_steps=2, max_new_tokens=24, batch_size=1)
+        return c
+
+    runner.evaluate(config(tmp_path / "whole", 2), model_and_tokenizer=(model, tokenizer))
+    runner.evaluate(config(tmp_path / "parts", 1), model_and_tokenizer=(model, tokenizer))  # stopped early
+    metrics = runner.evaluate(config(tmp_path / "parts", 2), model_and_tokenizer=(model, tokenizer))
+
+    def strip(record):
+        data = record.to_json()
+        for step in data["steps"]:
+            step["generate_s"] = step["tool_s"] = 0.0
+        return data
+
+    whole = [strip(r) for r in RecordStore(tmp_path / "whole" / "trajectories.jsonl").load()]
+    parts = [strip(r) for r in RecordStore(tmp_path / "parts" / "trajectories.jsonl").load()]
+    assert whole == parts
+    assert metrics["episodes"] == 2
+    assert (tmp_path / "parts" / "summary.png").stat().st_size > 1000
