@@ -67,7 +67,8 @@ def hf_config_dict(config: ModelConfig, dtype: str = "float32") -> dict:
     act = "silu" if c.activation == "silu" else "gelu_pytorch_tanh"
     layer_types = ["sliding_attention" if s else "full_attention" for s in c.layer_is_sliding]
     if c.family in ("gemma2", "gemma3"):
-        hf.update(hidden_activation=act, query_pre_attn_scalar=c.query_pre_attn_scalar or c.head_dim,
+        scalar = c.query_pre_attn_scalar or c.head_dim
+        hf.update(hidden_activation=act, query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
                   attn_logit_softcapping=c.attn_logit_softcap, final_logit_softcapping=c.final_logit_softcap,
                   sliding_window=c.sliding_window or 4096, layer_types=layer_types)
     else:
