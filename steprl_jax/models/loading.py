@@ -103,6 +103,8 @@ def load_hf_directory(directory: str, *, dtype=jnp.float32, compute_dtype: Optio
     overrides = {"compute_dtype": compute_dtype} if compute_dtype else {}
     config = read_hf_config(directory, **overrides)
     files = safetensors_index(directory)
+    paths = sorted(set(files.values()))
+    source = paths[0] if len(paths) == 1 else os.path.join(directory, "model.safetensors.index.json")
     by_canonical = {canonical_name(n): n for n in files}
     opened: dict = {}
 
@@ -115,7 +117,7 @@ def load_hf_directory(directory: str, *, dtype=jnp.float32, compute_dtype: Optio
             raise CheckpointError(f"{path}: tensor {original!r} is listed in the index but not in the file")
         return opened[path].get(original)
 
-    return build_from_tensors(config, fetch, by_canonical, dtype=dtype, source=directory)
+    return build_from_tensors(config, fetch, by_canonical, dtype=dtype, source=source)
 
 
 def safetensors_index(directory: str) -> dict[str, str]:

@@ -71,11 +71,11 @@ def load_pretrained(source: str, dtype=None, compute_dtype: Optional[str] = None
         tokenizer = _hf_tokenizer(path)
     else:
         checkpoint = GGUFCheckpoint(path)
+        tokenizer = read_gguf_tokenizer(path)  # before the weights: a file without a vocabulary fails fast
         config = checkpoint.config
         if compute_dtype:
             config = config.replace(compute_dtype=compute_dtype)
         model = build_from_tensors(config, checkpoint.fetch, checkpoint.tensor_names, dtype=dtype, source=path)
-        tokenizer = read_gguf_tokenizer(path)
     if tokenizer is not None:
         model.config = _with_special_ids(model.config, tokenizer)
     return model, tokenizer
