@@ -13,6 +13,7 @@ setup(
         "orbax-checkpoint>=0.11,<0.13",
         "tensorstore>=0.1.70",
         "ml-collections>=1.0,<2",
+        "absl-py>=1.4",
         "transformers>=4.56,<6",
         "tokenizers>=0.21,<1",
         "safetensors>=0.5,<1",
