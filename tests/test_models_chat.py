@@ -8,8 +8,7 @@ from transformers import PreTrainedTokenizerFast
 
 from steprl_jax.models import apply_chat
 from steprl_jax.models.chat import render_tools
-from steprl_jax.models.gguf_io import read_gguf_tokenizer
-from steprl_jax.models.pretrained import resolve_source
+from models_real import smollm2_tokenizer
 
 TOOLS = [{"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression.",
@@ -19,7 +18,7 @@ MESSAGES = [{"role": "user", "content": "What is 17 * 23?"}]
 
 @pytest.fixture(scope="module")
 def smollm2():
-    return read_gguf_tokenizer(resolve_source("smollm2-135m-instruct"))
+    return smollm2_tokenizer()
 
 
 def test_own_template(smollm2):

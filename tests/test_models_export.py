@@ -4,8 +4,7 @@ import pytest
 
 from models_hf_tiny import hf_logits, save_hf_model
 from steprl_jax.models import export_hf, load_pretrained
-from steprl_jax.models.gguf_io import read_gguf_tokenizer
-from steprl_jax.models.pretrained import resolve_source
+from models_real import smollm2_tokenizer
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -13,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return read_gguf_tokenizer(resolve_source("smollm2-135m-instruct"))
+    return smollm2_tokenizer()
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from steprl_jax.models import KVCache, load_pretrained
+from models_real import smollm2
+from steprl_jax.models import KVCache
 from steprl_jax.models.chat import apply_chat
 from steprl_jax.models.pretrained import resolve_source
 
@@ -21,7 +22,7 @@ STEPS = 32
 
 @pytest.fixture(scope="module")
 def ours():
-    return load_pretrained("smollm2-135m-instruct")
+    return smollm2()
 
 
 @pytest.fixture(scope="module")

@@ -161,7 +161,7 @@ class ModelConfig:
         act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
         if act not in _ACTIVATIONS:
             raise ConfigError(f"{source}: unsupported activation {act!r}")
-        for flag in ("mlp_bias",):
+        for flag in ("mlp_bias", "use_bidirectional_attention"):
             if hf.get(flag):
                 raise ConfigError(f"{source}: {flag}=True is not supported")
         if family == "llama" and hf.get("attention_bias"):

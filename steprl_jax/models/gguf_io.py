@@ -254,17 +254,18 @@ def _short(value) -> str:
     return text if len(text) < 80 else text[:77] + "..."
 
 
-def read_gguf_tokenizer(path: str):
+def read_gguf_tokenizer(path: str, reader=None):
     """The Hugging Face tokenizer described by a GGUF file's metadata, built without torch.
 
     transformers' own `gguf_file=` path imports torch; its tokenizer converters do
-    not, so we feed them the metadata read with the `gguf` package.
+    not, so we feed them the metadata read with the `gguf` package. Pass an open
+    `gguf.GGUFReader` to avoid parsing the file twice (slow for large vocabularies).
     """
     import gguf
     from transformers.integrations.gguf.gguf_tokenizer_mapping import (
         GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer)
 
-    reader = gguf.GGUFReader(path)
+    reader = reader if reader is not None else gguf.GGUFReader(path)
     metadata = {name: _field_value(field) for name, field in reader.fields.items()}
     if "tokenizer.ggml.tokens" not in metadata:
         raise CheckpointError(f"{path}: GGUF file carries no tokenizer (field 'tokenizer.ggml.tokens')")

@@ -15,7 +15,6 @@ import jax.numpy as jnp
 from steprl_jax.models.config import ModelConfig
 from steprl_jax.models.gguf_io import GGUFCheckpoint, read_gguf_tokenizer
 from steprl_jax.models.loading import build_from_tensors, load_hf_directory
-from steprl_jax.models.transformer import Transformer
 
 
 def _smollm2_path() -> str:
@@ -71,7 +70,7 @@ def load_pretrained(source: str, dtype=None, compute_dtype: Optional[str] = None
         tokenizer = _hf_tokenizer(path)
     else:
         checkpoint = GGUFCheckpoint(path)
-        tokenizer = read_gguf_tokenizer(path)  # before the weights: a file without a vocabulary fails fast
+        tokenizer = read_gguf_tokenizer(path, checkpoint.reader)  # before the weights: a file without a vocabulary fails fast
         config = checkpoint.config
         if compute_dtype:
             config = config.replace(compute_dtype=compute_dtype)
