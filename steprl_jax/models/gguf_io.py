@@ -14,7 +14,7 @@ Anything in the metadata we do not understand is refused, naming the file and fi
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -291,5 +291,3 @@ def read_gguf_tokenizer(path: str, reader=None):
     tokenizer.name_or_path = path
     return tokenizer
 
-
-Fetch = Callable[[str], np.ndarray]
