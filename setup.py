@@ -19,6 +19,7 @@ setup(
         "safetensors>=0.5,<1",
         "gguf>=0.17,<1",
         "numpy>=1.26,<3",
+        "ml-dtypes>=0.4",
         "jsonschema>=4.20,<5",
         "bm25s>=0.2.10,<0.4",
         "tqdm>=4.66",
