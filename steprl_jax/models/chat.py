@@ -18,7 +18,8 @@
 
 Tool definitions are OpenAI function schemas:
 `{"type": "function", "function": {"name", "description", "parameters": <JSON schema>}}`.
-Calls are expected back as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
+Calls are expected back as `<tool_call>[{"name": ..., "arguments": {...}}, ...]</tool_call>`
+(a JSON list, the format of steprl_jax.agents.formats).
 """
 from __future__ import annotations
 
@@ -28,9 +29,9 @@ from typing import Optional, Sequence
 TOOLS_PREAMBLE = (
     "You may call one or more functions to assist with the user query.\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n"
-    "For each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n"
-    "</tool_call>"
+    "To call functions, return a JSON list of objects with function name and arguments within "
+    "<tool_call></tool_call> XML tags (independent calls go in the same list):\n"
+    "<tool_call>[{{\"name\": <function-name>, \"arguments\": <args-json-object>}}]</tool_call>"
 )
 
 _GEMMA_TURNS = """{{ bos }}{%- set ns = namespace(system='') -%}
