@@ -1,0 +1,613 @@
+"""A jitted KV-cache sampler for multi-step, tree-shaped agent rollouts.
+
+    sampler = Sampler(model, tokenizer)
+    state = sampler.prefill(prompt_ids)                       # list of token-id lists
+    state, gens = sampler.generate(state, key, max_new_tokens=256,
+                                   stop=("</tool_call>",))   # one jitted loop per call
+    state = sampler.append(state, tool_response_ids)          # cost ~ new tokens only
+    state = sampler.fork(state, [0, 0, 0, 1, 1, 1])           # rows copied, no recompute
+    state, gens = sampler.generate(state, key, ...)           # each row its own PRNG stream
+
+State. A `SamplerState` holds, per row, the KV cache of every token but the last, and that last
+("pending") token, which the next call feeds first. So `generate` runs exactly one `extend`
+of one token per step (feed the pending token, sample the next one, which becomes pending),
+`append` of n tokens costs one `extend` of n tokens, and a fork is a row gather. All rows of a
+batch write the same cache slot (see `KVCache`); a row with fewer new tokens writes empty slots
+(position -1) that attention ignores. Slots are order-free (positions are applied by RoPE
+before caching), so `compact` can squeeze out those empty slots when the cache would
+otherwise have to grow.
+
+Calls consume their input state: its cache buffers are donated to the next program and
+updated in place. Keep a copy with `fork(state, range(n))` if you need the old one.
+
+Compilation. Every jitted function takes one frozen program dataclass (`ExtendProgram`,
+`DecodeProgram`) as its static argument. Batch, new-token and cache lengths are rounded up to
+buckets (`params.bucket`: powers of two and 1.5x powers of two), so a long run compiles a
+handful of programs; each new program is logged at debug level with a running count
+(`Sampler.num_compiled`).
+
+Randomness. `generate(state, key)` gives row b the key `fold_in(key, b)` (or takes one key
+per row), and the token a row samples at its step t uses `fold_in(row_key, t)`: a row's tokens
+depend on its key and its own context only — not on the batch size, padding, or the other rows.
+So f forked rows given the keys k_1..k_f produce what f separate runs from the same prefix
+with those keys produce.
+
+Log-probs. Recorded with `steprl_jax.ops.logprobs.token_logprobs` on the decode step's hidden
+state: log_softmax(softcap(h @ W.T) / temperature) in float32, the untruncated tempered
+distribution (see `SamplingParams`), exactly the trainer's definition.
+
+Precision. With `compute_dtype="bfloat16"`, the matmul weights (q, k, v, o, gate, up, down,
+the unembedding) are cast to bf16 once when the sampler takes the parameters, not per step;
+norms, biases and the embedding lookup stay float32. The model casts matmul operands to bf16
+anyway, so this changes no value — the sampler's numbers match the trainer's.
+
+Memory. The cache is allocated for the bucketed length, in the compute dtype:
+    2 (k, v) x L x B x S x K x H x bytes(compute dtype) + 4 B x S (slot positions)
+e.g. SmolLM2-135M (L=30, K=3, H=64) in bf16: 23 KiB per token, so a batch of 32 rows with
+S = 2,048 slots costs 1.5 GB (float32: twice that). A decode step additionally holds
+[B, V] float32 logits; a prefill chunk [B, N, T, S] float32 attention logits for one layer.
+
+Sharding. With a `mesh`, parameters should already be placed (`models.sharding.shard_model`);
+the cache, tokens and keys are sharded over the batch axes of the rules table (`batch_sharding`)
+and batch buckets are multiples of the data-parallel size.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from steprl_jax.models.sharding import LOGICAL_AXIS_RULES
+from steprl_jax.models.transformer import KVCache, Transformer
+from steprl_jax.ops.logprobs import scaled_logits, token_logprobs
+from steprl_jax.sampling import stop as stop_lib
+from steprl_jax.sampling.params import (
+    CONTEXT, EOS, FINISH_REASONS, LENGTH, RUNNING, STOP, DecodeProgram, ExtendProgram, Generation,
+    SamplingParams, bucket)
+
+log = logging.getLogger(__name__)
+
+# Parameters used only as matmul operands: cast once to the compute dtype.
+_MATMUL_WEIGHTS = frozenset({"q", "k", "v", "o", "gate", "up", "down"})
+
+
+class ContextOverflowError(ValueError):
+    """Appending tokens would take a row past the context limit."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerState:
+    """Rows being generated: their KV cache, pending last token, and lengths.
+
+    `cache` and `last_token` have the bucketed batch size (rows >= `num_rows` are padding);
+    `lengths[b]` counts row b's tokens including the pending one; `index` is the next cache slot
+    (host copy of `cache.index`, so capacity checks never sync with the device).
+    """
+
+    cache: KVCache
+    last_token: jax.Array  # [B_bucket] int32
+    lengths: np.ndarray  # [num_rows] int64, host
+    index: int
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def batch_bucket(self) -> int:
+        return self.last_token.shape[0]
+
+    @property
+    def cache_length(self) -> int:
+        return self.cache.length
+
+    def cache_bytes(self) -> int:
+        return self.cache.bytes()
+
+
+# ----------------------------------------------------------------------------- jitted kernels
+def _extend_impl(graphdef, constrain, params, cache, ids_bt, pos_bt, *, program: ExtendProgram):
+    model = nnx.merge(graphdef, params)
+    _, cache = model.extend(ids_bt, pos_bt, cache)
+    return constrain(cache)
+
+
+def _take_rows_impl(constrain, rows, cache, last_token):
+    cache = cache.take_rows(rows)
+    return constrain(cache), last_token[rows]
+
+
+def _resize_impl(constrain, new_length: int, cache):
+    pad = new_length - cache.length
+    widths = ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0))
+    return constrain(KVCache(jnp.pad(cache.k, widths), jnp.pad(cache.v, widths),
+                             jnp.pad(cache.slot_pos, ((0, 0), (0, pad)), constant_values=-1), cache.index))
+
+
+def _compact_impl(constrain, new_length: int, cache):
+    """Move each row's filled slots to the end of [0, n_max), n_max = max filled; drop the rest."""
+    filled_bs = cache.slot_pos >= 0
+    count_b = filled_bs.sum(axis=1)
+    n_max = count_b.max()
+    rank_bs = jnp.cumsum(filled_bs, axis=1) - 1  # rank of each filled slot within its row
+    target_bs = jnp.where(filled_bs, n_max - count_b[:, None] + rank_bs, new_length)  # drop others
+    b_idx = jnp.arange(cache.slot_pos.shape[0])[:, None]
+    # source slot for each target slot: scatter the slot indices to their targets.
+    src_bs = jnp.full((cache.slot_pos.shape[0], new_length), cache.length, jnp.int32)
+    src_bs = src_bs.at[b_idx, target_bs].set(jnp.arange(cache.length, dtype=jnp.int32)[None], mode="drop")
+    valid_bs = src_bs < cache.length
+    src_bs = jnp.minimum(src_bs, cache.length - 1)
+    k = jnp.take_along_axis(cache.k, src_bs[None, :, :, None, None], axis=2)
+    v = jnp.take_along_axis(cache.v, src_bs[None, :, :, None, None], axis=2)
+    slot_pos = jnp.where(valid_bs, jnp.take_along_axis(cache.slot_pos, src_bs, axis=1), -1)
+    return constrain(KVCache(k, v, slot_pos, n_max.astype(jnp.int32)))
+
+
+def _filter_logits(program: DecodeProgram, z_bv, top_p):
+    """Returns (candidate logits [B, C], candidate token ids [B, C] or None for the full vocab)."""
+    if program.top_k:
+        z_bc, ids_bc = jax.lax.top_k(z_bv, program.top_k)
+    elif program.top_p:
+        ids_bc = jnp.argsort(-z_bv, axis=-1)
+        z_bc = jnp.take_along_axis(z_bv, ids_bc, axis=-1)
+    else:
+        return z_bv, None
+    if program.top_p:
+        probs_bc = jax.nn.softmax(z_bc, axis=-1)  # sorted, descending
+        mass_before_bc = jnp.cumsum(probs_bc, axis=-1) - probs_bc
+        z_bc = jnp.where(mass_before_bc < top_p, z_bc, -jnp.inf)  # always keeps the first
+    return z_bc, ids_bc
+
+
+def _decode_impl(graphdef, constrain, params, unembed_vd, cache, last_b, length_b, max_new_b, keys_b,
+                 temperature, top_p, stop_table, *, program: DecodeProgram):
+    model = nnx.merge(graphdef, params)
+    config = model.config
+    B, M = program.batch, program.max_new
+    compute_dtype = jnp.dtype(config.compute_dtype)
+    steps = jnp.minimum(M, cache.length - cache.index)  # cache slots left
+    stop_ids = jnp.asarray(program.stop_ids or (-1,), jnp.int32)
+    done0 = max_new_b <= 0
+    zeros_b = jnp.zeros((B,), jnp.int32)
+    carry0 = dict(
+        i=jnp.zeros((), jnp.int32), cache=cache, tok=last_b, length=length_b, done=done0,
+        auto=zeros_b, n=zeros_b, reason=jnp.where(done0, LENGTH, RUNNING).astype(jnp.int32),
+        out_tok=jnp.zeros((B, M), jnp.int32), out_lp=jnp.zeros((B, M), jnp.float32),
+        out_ent=jnp.zeros((B, M if program.with_entropy else 0), jnp.float32))
+
+    def cond(c):
+        return (c["i"] < steps) & ~jnp.all(c["done"])
+
+    def body(c):
+        active_b = ~c["done"]
+        pos_b = jnp.where(active_b, c["length"] - 1, -1)
+        hidden_b1d, new_cache = model.extend(c["tok"][:, None], pos_b[:, None], c["cache"])
+        z_bv = scaled_logits(hidden_b1d[:, 0], unembed_vd, temperature=temperature,
+                             final_softcap=config.final_logit_softcap, compute_dtype=compute_dtype)
+        if program.greedy:
+            new_b = jnp.argmax(z_bv, axis=-1).astype(jnp.int32)
+        else:
+            step_keys = jax.vmap(jax.random.fold_in)(keys_b, c["n"])
+            z_bc, ids_bc = _filter_logits(program, z_bv, top_p)
+            choice_b = jax.vmap(jax.random.categorical)(step_keys, z_bc).astype(jnp.int32)
+            new_b = choice_b if ids_bc is None else jnp.take_along_axis(ids_bc, choice_b[:, None], 1)[:, 0]
+        stats = token_logprobs(hidden_b1d, unembed_vd, new_b[:, None], temperature=temperature,
+                               final_softcap=config.final_logit_softcap, chunk_size=1,
+                               with_entropy=program.with_entropy, compute_dtype=compute_dtype)
+        lp_b, ent_b = (stats[0][:, 0], stats[1][:, 0]) if program.with_entropy else (stats[:, 0], None)
+        rows = jnp.arange(B)
+        col_b = jnp.where(active_b, c["n"], M)  # finished rows write out of bounds: dropped
+        out = dict(out_tok=c["out_tok"].at[rows, col_b].set(new_b, mode="drop"),
+                   out_lp=c["out_lp"].at[rows, col_b].set(lp_b, mode="drop"))
+        out["out_ent"] = (c["out_ent"].at[rows, col_b].set(ent_b, mode="drop")
+                          if program.with_entropy else c["out_ent"])
+        n_b = c["n"] + active_b
+        length = c["length"] + active_b
+        tok = jnp.where(active_b, new_b, c["tok"])
+        if program.stop_states:
+            auto_b = stop_table[jnp.clip(c["auto"], 0, None), new_b]
+            hit_stop = auto_b < 0
+        else:
+            auto_b, hit_stop = c["auto"], jnp.zeros((B,), bool)
+        hit_eos = jnp.any(new_b[:, None] == stop_ids[None, :], axis=-1)
+        reason_now = jnp.select(
+            [hit_stop, hit_eos, n_b >= max_new_b, length >= program.max_context],
+            [STOP, EOS, LENGTH, CONTEXT], RUNNING).astype(jnp.int32)
+        finished = active_b & (reason_now != RUNNING)
+        return dict(
+            i=c["i"] + 1, cache=constrain(new_cache), tok=tok, length=length,
+            done=c["done"] | finished, auto=jnp.where(active_b, auto_b, c["auto"]), n=n_b,
+            reason=jnp.where(finished, reason_now, c["reason"]), **out)
+
+    c = jax.lax.while_loop(cond, body, carry0)
+    # Rows still running when the cache ran out of slots finish with reason `context`.
+    reason = jnp.where(c["done"], c["reason"], CONTEXT)
+    return (c["cache"], c["tok"], c["out_tok"], c["out_lp"], c["out_ent"], c["n"], reason)
+
+
+# ----------------------------------------------------------------------------- the sampler
+class Sampler:
+    """Prefill / generate / append / fork over a `Transformer`, with bucketed, jitted programs.
+
+    Args:
+      model: the NNX `Transformer` (parameters possibly sharded over `mesh`).
+      tokenizer: optional; needed for stop strings and returned text (see
+        `stop.token_bytes_table` for what is accepted).
+      mesh: optional `jax.sharding.Mesh`; the batch is sharded over the rules' batch axes.
+      max_context: positions per row (default: `config.max_position_embeddings`).
+      max_cache_length: the most slots a cache may grow to (default: the bucket of
+        `max_context`); above it the cache is compacted, and rows that still do not fit finish
+        with reason `context`.
+      prefill_chunk: prompts (and appended tokens) are fed in chunks of at most this many
+        tokens, which bounds both activation memory and the number of compiled programs.
+      min_cache_length, min_extend_length: smallest buckets.
+    """
+
+    def __init__(self, model: Transformer, tokenizer=None, *, mesh=None, rules: dict = LOGICAL_AXIS_RULES,
+                 max_context: Optional[int] = None, max_cache_length: Optional[int] = None,
+                 prefill_chunk: int = 512, min_cache_length: int = 128, min_extend_length: int = 16):
+        self.config = model.config
+        self.tokenizer = tokenizer
+        self.mesh = mesh
+        self.max_context = int(max_context or self.config.max_position_embeddings)
+        self.max_cache_length = int(max_cache_length or bucket(self.max_context, min_cache_length))
+        if self.max_cache_length < self.max_context // 2:
+            log.info("max_cache_length %d is below max_context %d: long rows will finish with 'context'",
+                     self.max_cache_length, self.max_context)
+        self.prefill_chunk = int(prefill_chunk)
+        self.min_cache_length = int(min_cache_length)
+        self.min_extend_length = int(min_extend_length)
+        self.eos_ids = tuple(int(i) for i in self.config.eos_token_ids)
+        self._graphdef, _ = nnx.split(model)
+        self._token_bytes = None
+        self._stop_tables: dict = {}
+        self._programs: set = set()
+        # Sharding of batch-major arrays.
+        if mesh is not None:
+            axes = rules["batch"]
+            axes = (axes,) if isinstance(axes, str) else tuple(a for a in axes if a in mesh.shape)
+            self._dp = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+            batch_axes = (axes if len(axes) > 1 else axes[0]) if axes else None
+            self._row_sharding = NamedSharding(mesh, PartitionSpec(batch_axes))
+            self._row2_sharding = NamedSharding(mesh, PartitionSpec(batch_axes, None))
+            self._kv_sharding = NamedSharding(mesh, PartitionSpec(None, batch_axes, None, None, None))
+            self._scalar_sharding = NamedSharding(mesh, PartitionSpec())
+            constrain = self._constrain_cache
+        else:
+            self._dp = 1
+            constrain = _identity
+        self._extend_jit = jax.jit(functools.partial(_extend_impl, self._graphdef, constrain),
+                                   static_argnames="program", donate_argnames="cache")
+        self._decode_jit = jax.jit(functools.partial(_decode_impl, self._graphdef, constrain),
+                                   static_argnames="program", donate_argnames="cache")
+        self._take_rows_jit = jax.jit(functools.partial(_take_rows_impl, constrain))
+        self._resize_jit = jax.jit(functools.partial(_resize_impl, constrain), static_argnums=0)
+        self._compact_jit = jax.jit(functools.partial(_compact_impl, constrain), static_argnums=0)
+        self.set_params(model)
+
+    # ------------------------------------------------------------------ parameters
+    def set_params(self, model: Transformer) -> None:
+        """Take (new) parameters from `model` (same architecture); casts matmul weights once."""
+        if model.config != self.config:
+            raise ValueError("set_params: the model's config differs from the sampler's")
+        _, state = nnx.split(model)
+        dtype = jnp.dtype(self.config.compute_dtype)
+        if dtype != jnp.float32:
+            def cast(path, x):
+                names = [getattr(p, "key", getattr(p, "name", None)) for p in path]
+                if "layers" in names and names[-1] in _MATMUL_WEIGHTS or names[-1] == "lm_head":
+                    return x.astype(dtype)
+                return x
+            state = jax.tree_util.tree_map_with_path(
+                lambda p, v: v.replace(cast(p, v.get_value())) if isinstance(v, nnx.Variable) else cast(p, v),
+                state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+        self._params = state
+        self._unembed = model.unembedding().astype(dtype)
+
+    # ------------------------------------------------------------------ bookkeeping
+    @property
+    def num_compiled(self) -> int:
+        """Number of distinct programs compiled so far (all functions)."""
+        return len(self._programs)
+
+    def _note(self, kind: str, program) -> None:
+        if (kind, program) not in self._programs:
+            self._programs.add((kind, program))
+            log.debug("sampler: compiling %s program #%d: %s", kind, len(self._programs), program)
+
+    def _constrain_cache(self, cache: KVCache) -> KVCache:
+        wsc = jax.lax.with_sharding_constraint
+        return KVCache(wsc(cache.k, self._kv_sharding), wsc(cache.v, self._kv_sharding),
+                       wsc(cache.slot_pos, self._row2_sharding), cache.index)
+
+    def _put_rows(self, x: np.ndarray):
+        """Host batch-major array -> device, sharded over the batch axes when there is a mesh."""
+        if self.mesh is None:
+            return jnp.asarray(x)
+        return jax.device_put(x, self._row_sharding if x.ndim == 1 else NamedSharding(
+            self.mesh, PartitionSpec(self._row_sharding.spec[0], *([None] * (x.ndim - 1)))))
+
+    def _batch_bucket(self, n: int) -> int:
+        return bucket(n, 1, self._dp)
+
+    def _empty_cache(self, batch: int, length: int) -> KVCache:
+        cache = KVCache.init(self.config, batch, length)
+        if self.mesh is not None:
+            cache = KVCache(jax.device_put(cache.k, self._kv_sharding), jax.device_put(cache.v, self._kv_sharding),
+                            jax.device_put(cache.slot_pos, self._row2_sharding),
+                            jax.device_put(cache.index, self._scalar_sharding))
+        return cache
+
+    # ------------------------------------------------------------------ capacity
+    def _ensure_capacity(self, state: SamplerState, needed_slots: int) -> tuple[SamplerState, int]:
+        """Make room for `needed_slots` more cache slots; returns (state, slots available).
+
+        Grows the cache to the next bucket (a copy), or, when squeezing out the empty slots
+        left by padding saves at least a bucket (or the cache is at `max_cache_length`),
+        compacts it. At the cap, fewer slots than asked may be available.
+        """
+        length, index = state.cache_length, state.index
+        if needed_slots <= length - index:
+            return state, needed_slots
+        filled = int(state.lengths.max(initial=1)) - 1  # every row holds lengths - 1 tokens
+        grown = bucket(index + needed_slots, self.min_cache_length)
+        compacted = bucket(filled + needed_slots, self.min_cache_length)
+        cache = state.cache
+        if grown <= self.max_cache_length and grown <= compacted:
+            self._note("resize", (state.batch_bucket, length, grown))
+            cache, length = self._resize_jit(grown, cache), grown
+        else:
+            target = min(max(compacted, length), self.max_cache_length)
+            self._note("compact", (state.batch_bucket, length, target))
+            cache, length, index = self._compact_jit(target, cache), target, filled
+            log.debug("sampler: compacted the cache to %d filled of %d slots", filled, target)
+        state = dataclasses.replace(state, cache=cache, index=index)
+        return state, max(0, min(needed_slots, length - index))
+
+    # ------------------------------------------------------------------ public API
+    def prefill(self, prompts: Sequence[Sequence[int]], *, cache_length: Optional[int] = None) -> SamplerState:
+        """Start rows from prompts (token-id sequences of different lengths, each non-empty).
+
+        `cache_length` reserves slots up front (e.g. prompt + expected generation), avoiding a
+        later grow; default: the bucket of the longest prompt. Memory: see the module docstring.
+        """
+        prompts = [np.asarray(p, np.int64).reshape(-1) for p in prompts]
+        if not prompts:
+            raise ValueError("prefill: no prompts")
+        for i, p in enumerate(prompts):
+            if p.size == 0:
+                raise ValueError(f"prefill: prompt {i} is empty (a row needs at least one token, e.g. BOS)")
+            self._check_ids(p, f"prefill: prompt {i}")
+            if p.size > self.max_context:
+                raise ContextOverflowError(
+                    f"prefill: prompt {i} has {p.size} tokens, more than the context limit {self.max_context}")
+        n = len(prompts)
+        batch = self._batch_bucket(n)
+        longest = max(p.size for p in prompts)
+        slots = longest - 1
+        length = bucket(max(slots, 1, int(cache_length or 0)), self.min_cache_length)
+        if length > self.max_cache_length:
+            raise ContextOverflowError(
+                f"prefill: the longest prompt needs {slots} cache slots; max_cache_length is {self.max_cache_length}")
+        last = np.zeros(batch, np.int32)
+        last[:n] = [p[-1] for p in prompts]
+        state = SamplerState(self._empty_cache(batch, length), self._put_rows(last),
+                             np.asarray([p.size for p in prompts], np.int64), 0)
+        return self._feed(state, [p[:-1] for p in prompts], start_positions=[0] * n)
+
+    def append(self, state: SamplerState, token_lists: Sequence[Sequence[int]]) -> SamplerState:
+        """Append tokens (e.g. a tool response) to each row; an empty list leaves a row as is.
+
+        Costs one `extend` over the new tokens only (chunked and bucketed). Raises
+        `ContextOverflowError` (before any computation) if a row would exceed the context.
+        """
+        if len(token_lists) != state.num_rows:
+            raise ValueError(f"append: got {len(token_lists)} token lists for {state.num_rows} rows")
+        lists = [np.asarray(t, np.int64).reshape(-1) for t in token_lists]
+        for i, t in enumerate(lists):
+            self._check_ids(t, f"append: row {i}")
+            if state.lengths[i] + t.size > self.max_context:
+                raise ContextOverflowError(
+                    f"append: row {i} would reach {state.lengths[i] + t.size} tokens, more than the "
+                    f"context limit {self.max_context}")
+        if not any(t.size for t in lists):
+            return state
+        # Feed [pending, t_0 .. t_{n-2}]; t_{n-1} becomes the new pending token.
+        last = np.asarray(jax.device_get(state.last_token))
+        feeds, new_last = [], last.copy()
+        for i, t in enumerate(lists):
+            if t.size:
+                feeds.append(np.concatenate([[last[i]], t[:-1]]))
+                new_last[i] = t[-1]
+            else:
+                feeds.append(t)
+        starts = [int(state.lengths[i]) - 1 for i in range(state.num_rows)]
+        lengths = state.lengths + np.asarray([t.size for t in lists])
+        state = dataclasses.replace(state, last_token=self._put_rows(new_last), lengths=lengths)
+        return self._feed(state, feeds, start_positions=starts)
+
+    def fork(self, state: SamplerState, rows: Sequence[int]) -> SamplerState:
+        """A state whose row j is a copy of `state` row `rows[j]` (repeats fork; omissions drop).
+
+        E.g. `fork(state, [0] * 8)` makes 8 branches of row 0; `fork(state, still_running)`
+        drops finished episodes. The KV cache rows are copied on device, nothing is recomputed;
+        give the branches different keys in `generate` (a single key already does).
+        """
+        rows = np.asarray(rows, np.int64).reshape(-1)
+        if rows.size == 0:
+            raise ValueError("fork: no rows")
+        if rows.min() < 0 or rows.max() >= state.num_rows:
+            raise IndexError(f"fork: rows must be in [0, {state.num_rows}), got {rows.tolist()}")
+        batch = self._batch_bucket(rows.size)
+        gather = np.zeros(batch, np.int32)
+        gather[:rows.size] = rows
+        self._note("fork", (state.batch_bucket, batch, state.cache_length))
+        cache, last = self._take_rows_jit(self._put_rows(gather), state.cache, state.last_token)
+        return SamplerState(cache, last, state.lengths[rows].copy(), state.index)
+
+    def generate(self, state: SamplerState, key, *, max_new_tokens: Union[int, Sequence[int]],
+                 params: SamplingParams = SamplingParams(), stop: Sequence[str] = (),
+                 stop_token_ids: Optional[Sequence[int]] = None) -> tuple[SamplerState, list]:
+        """Generate up to `max_new_tokens` per row, in one jitted loop; returns (state, generations).
+
+        Args:
+          key: a PRNG key (row b uses `fold_in(key, b)`) or one key per row ([num_rows] keys).
+          max_new_tokens: an int, or one per row (0 leaves a row untouched this call).
+          params: `SamplingParams` (greedy / temperature / top-k / top-p / entropies).
+          stop: stop strings (needs a tokenizer); a row stops when its generated text contains one.
+          stop_token_ids: ids that end a row (reason `eos`); default: the model's EOS ids.
+
+        Returns the new state (every sampled token, the last one pending) and one `Generation`
+        per row. The loop runs until every row is done; finished rows stop contributing.
+        """
+        n = state.num_rows
+        max_new = np.broadcast_to(np.asarray(max_new_tokens, np.int64), (n,)).copy()
+        if max_new.min(initial=0) < 0:
+            raise ValueError(f"generate: max_new_tokens must be >= 0, got {max_new_tokens}")
+        stop = tuple(stop)
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError(f"generate: stop strings must be non-empty str, got {stop!r}")
+        if stop and self.tokenizer is None:
+            raise ValueError("generate: stop strings need a tokenizer (Sampler(model, tokenizer))")
+        stop_ids = self.eos_ids if stop_token_ids is None else tuple(int(i) for i in stop_token_ids)
+        self._check_ids(np.asarray(stop_ids, np.int64), "generate: stop_token_ids")
+        # Rows at the context limit cannot sample; the others are capped by it (reason `context`).
+        room = self.max_context - state.lengths
+        needed = int(np.minimum(max_new, np.maximum(room, 0)).max(initial=0))
+        state, _ = self._ensure_capacity(state, max(needed, 1))
+        B = state.batch_bucket
+        max_new_b = np.zeros(B, np.int32)
+        max_new_b[:n] = max_new
+        at_limit = (room <= 0) & (max_new > 0)
+        max_new_b[:n][at_limit] = 0
+        length_b = np.ones(B, np.int32)
+        length_b[:n] = state.lengths
+        table, states = self._stop_table(stop)
+        program = DecodeProgram(
+            batch=B, cache_length=state.cache_length, max_new=bucket(max(int(max_new.max(initial=1)), 1), 16),
+            greedy=params.greedy, top_k=int(params.top_k), top_p=params.top_p < 1.0,
+            with_entropy=params.with_entropy, stop_ids=tuple(sorted(set(stop_ids))), stop_states=states,
+            max_context=self.max_context)
+        self._note("decode", program)
+        keys = self._row_keys(key, n, B)
+        cache, last, out_tok, out_lp, out_ent, n_gen, reason = self._decode_jit(
+            self._params, self._unembed, state.cache, state.last_token, self._put_rows(length_b),
+            self._put_rows(max_new_b), keys, jnp.float32(params.temperature), jnp.float32(params.top_p),
+            table, program=program)
+        out_tok, out_lp, out_ent, n_gen, reason = jax.device_get((out_tok, out_lp, out_ent, n_gen, reason))
+        n_gen = np.asarray(n_gen[:n], np.int64)
+        reason = np.asarray(reason[:n]).copy()
+        reason[at_limit] = CONTEXT
+        new_state = SamplerState(cache, last, state.lengths + n_gen, state.index + int(n_gen.max(initial=0)))
+        gens = []
+        for b in range(n):
+            k = int(n_gen[b])
+            gen = Generation(tokens=np.asarray(out_tok[b, :k], np.int32), logprobs=np.asarray(out_lp[b, :k]),
+                             finish_reason=FINISH_REASONS[int(reason[b])],
+                             entropies=np.asarray(out_ent[b, :k]) if params.with_entropy else None)
+            if self.tokenizer is not None:
+                self._set_text(gen, stop)
+            gens.append(gen)
+        return new_state, gens
+
+    def decode_text(self, token_ids: Sequence[int]) -> str:
+        """Text of token ids as the stop-string detector sees it (special tokens dropped)."""
+        table = self._bytes_table()
+        return b"".join(table[int(t)] for t in token_ids).decode("utf-8", errors="replace")
+
+    # ------------------------------------------------------------------ internals
+    def _check_ids(self, ids: np.ndarray, what: str) -> None:
+        if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
+            bad = ids[(ids < 0) | (ids >= self.config.vocab_size)][0]
+            raise ValueError(f"{what}: token id {int(bad)} is outside the vocabulary [0, {self.config.vocab_size})")
+
+    def _row_keys(self, key, n: int, B: int):
+        key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+        if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+            key = jax.random.key_data(key)
+        key = np.asarray(jax.device_get(key), np.uint32)
+        if key.shape == (2,):
+            rows = np.asarray(jax.device_get(jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(n))))
+        elif key.shape == (n, 2):
+            rows = key
+        else:
+            raise ValueError(f"generate: key must be one PRNG key or {n} keys (one per row), got shape {key.shape}")
+        keys = np.zeros((B, 2), np.uint32)
+        keys[:n] = rows
+        return self._put_rows(keys)
+
+    def _bytes_table(self) -> list:
+        if self._token_bytes is None:
+            self._token_bytes = stop_lib.token_bytes_table(self.tokenizer, self.config.vocab_size)
+        return self._token_bytes
+
+    def _stop_table(self, stop: tuple):
+        if not stop:
+            return jnp.zeros((1, 1), jnp.int32), 0
+        key = tuple(sorted(set(stop)))
+        if key not in self._stop_tables:
+            patterns = [s.encode("utf-8") for s in key]
+            states = bucket(sum(len(p) for p in patterns) + 1, 16)
+            table = stop_lib.token_transition_table(patterns, self._bytes_table(), states)
+            self._stop_tables[key] = (jnp.asarray(table), states)
+        return self._stop_tables[key]
+
+    def _set_text(self, gen: Generation, stop: tuple) -> None:
+        table = self._bytes_table()
+        data = b"".join(table[int(t)] for t in gen.tokens)
+        text = data.decode("utf-8", errors="replace")
+        if gen.finish_reason == "stop":
+            end, which = stop_lib.first_stop(text, stop)
+            if end is None:  # cannot happen for valid UTF-8 stop strings; keep everything
+                log.warning("stop string detected on device but not found in the text %r", text[-80:])
+            else:
+                gen.stop_string, gen.text_after_stop, text = which, text[end:], text[:end]
+        gen.text = text
+
+    def _feed(self, state: SamplerState, feeds: Sequence[np.ndarray], start_positions) -> SamplerState:
+        """Write `feeds[b]` (at positions start_positions[b], ...) into the cache, right-aligned
+        across rows, in chunks of at most `prefill_chunk` tokens (each bucketed)."""
+        total = max(f.size for f in feeds)
+        if total == 0:
+            return state
+        sizes = [min(self.prefill_chunk, total - lo) for lo in range(0, total, self.prefill_chunk)]
+        widths = [bucket(c, self.min_extend_length) for c in sizes]
+        state, available = self._ensure_capacity(state, sum(widths))
+        if available < sum(widths):  # at the cache cap: no bucket padding
+            state, available = self._ensure_capacity(state, total)
+            widths = sizes
+            if available < total:
+                raise ContextOverflowError(
+                    f"{total} new cache slots needed, but the cache is capped at {self.max_cache_length} slots")
+        B = state.batch_bucket
+        ids = np.zeros((B, total), np.int32)
+        pos = np.full((B, total), -1, np.int32)
+        for b, (f, start) in enumerate(zip(feeds, start_positions)):
+            if f.size:
+                ids[b, total - f.size:] = f
+                pos[b, total - f.size:] = np.arange(start, start + f.size)
+        cache, index, lo = state.cache, state.index, 0
+        for chunk, T in zip(sizes, widths):
+            ids_c = np.zeros((B, T), np.int32)
+            pos_c = np.full((B, T), -1, np.int32)
+            # Left-pad the chunk: padding slots come before the real tokens.
+            ids_c[:, T - chunk:] = ids[:, lo:lo + chunk]
+            pos_c[:, T - chunk:] = pos[:, lo:lo + chunk]
+            program = ExtendProgram(B, T, state.cache_length)
+            self._note("extend", program)
+            cache = self._extend_jit(self._params, cache, self._put_rows(ids_c), self._put_rows(pos_c),
+                                     program=program)
+            index += T
+            lo += chunk
+        return dataclasses.replace(state, cache=cache, index=index)
+
+
+def _identity(x):
+    return x
