@@ -28,6 +28,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from steprl_jax.ops.matmul import mixed_einsum
+
 DEFAULT_CHUNK_SIZE = 128
 
 
@@ -58,14 +60,16 @@ def scaled_logits(hidden_bcd, unembed_vd, *, temperature=1.0, final_softcap=None
                   compute_dtype=None):
     """float32 `softcap(h @ W.T) / temperature` for one chunk: [..., D] -> [..., V].
 
-    `compute_dtype` (e.g. jnp.bfloat16) casts both operands for the matmul; accumulation is
-    float32 either way (`preferred_element_type`).
+    `compute_dtype` (e.g. jnp.bfloat16) casts both operands for the matmul, forward and
+    backward (`ops.matmul.mixed_einsum`); accumulation is float32 either way.
     """
-    if compute_dtype is not None:
-        hidden_bcd = hidden_bcd.astype(compute_dtype)
-        unembed_vd = unembed_vd.astype(compute_dtype)
-    logits = jnp.einsum("...d,vd->...v", hidden_bcd, unembed_vd,
-                        preferred_element_type=jnp.float32).astype(jnp.float32)
+    if compute_dtype is None:
+        logits = jnp.einsum("...d,vd->...v", hidden_bcd, unembed_vd,
+                            preferred_element_type=jnp.float32).astype(jnp.float32)
+    else:
+        lead = hidden_bcd.shape[:-1]
+        logits = mixed_einsum("nd,vd->nv", hidden_bcd.reshape(-1, hidden_bcd.shape[-1]),
+                              unembed_vd, compute_dtype).reshape(*lead, unembed_vd.shape[0])
     if final_softcap is not None:
         logits = final_softcap * jnp.tanh(logits / final_softcap)
     return logits / temperature

