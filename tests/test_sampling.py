@@ -1,0 +1,266 @@
+"""Sampler on tiny random models: log-probs, continue, fork, stop strings, keys, buckets, bad input, sharding."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from steprl_jax.models import ModelConfig, Transformer
+from steprl_jax.models.sharding import make_mesh, shard_model
+from steprl_jax.sampling import ContextOverflowError, Sampler, SamplingParams, bucket
+from steprl_jax.sampling.stop import build_automaton, first_stop, token_transition_table
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 22, 23]]
+GREEDY = SamplingParams(greedy=True)
+
+
+class ByteTokenizer:
+    """Token i stands for 1-3 bytes over the alphabet `</ab>`: tags split across and inside tokens."""
+
+    ALPHABET = b"</ab>"
+
+    def __init__(self, vocab_size):
+        self.table = []
+        for i in range(vocab_size):
+            n, digits = 1 + i % 3, []
+            x = i // 3
+            for _ in range(n):
+                digits.append(self.ALPHABET[x % 5])
+                x //= 5
+            self.table.append(bytes(digits))
+
+    def token_bytes_table(self):
+        return self.table
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Transformer(ModelConfig.tiny(eos_token_ids=()), rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def sampler(model):
+    return Sampler(model, ByteTokenizer(model.config.vocab_size))
+
+
+def full_logprobs(model, prompt, tokens, temperature=1.0):
+    """log_softmax(logits / T) of a full forward over prompt + tokens, at the generated positions."""
+    seq = list(prompt) + [int(t) for t in tokens]
+    logits = model(jnp.asarray([seq]))[0] / temperature
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    pos = np.arange(len(prompt) - 1, len(seq) - 1)
+    return np.asarray(logp[pos, np.asarray(seq[len(prompt):])]), np.asarray(logp[pos])
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.7, with_entropy=True),
+                                    SamplingParams(temperature=1.3, top_k=20, top_p=0.9)])
+def test_recorded_logprobs_equal_full_forward(model, sampler, params):
+    state = sampler.prefill(PROMPTS)
+    _, gens = sampler.generate(state, jax.random.PRNGKey(1), max_new_tokens=[12, 20, 7], params=params)
+    assert [len(g.tokens) for g in gens] == [12, 20, 7]
+    assert all(g.finish_reason == "length" for g in gens)
+    for prompt, g in zip(PROMPTS, gens):
+        ref, all_logp = full_logprobs(model, prompt, g.tokens, params.temperature)
+        np.testing.assert_allclose(g.logprobs, ref, atol=1e-4)
+        if params.greedy:
+            np.testing.assert_array_equal(g.tokens, all_logp.argmax(-1))
+        if params.with_entropy:
+            ent = -(np.exp(all_logp) * all_logp).sum(-1)
+            np.testing.assert_allclose(g.entropies, ent, atol=1e-4)
+        if params.top_k:  # every sampled token is among the top k of its step
+            rank = (all_logp > all_logp[np.arange(len(g.tokens)), g.tokens][:, None]).sum(-1)
+            assert rank.max() < params.top_k
+
+
+def test_continue_equals_generating_from_scratch(model, sampler):
+    state = sampler.prefill(PROMPTS)
+    state, first = sampler.generate(state, jax.random.PRNGKey(0), max_new_tokens=9, params=GREEDY)
+    tool = [[30, 31, 32], [], [40, 41, 42, 43, 44, 45]]
+    state = sampler.append(state, tool)
+    state, second = sampler.generate(state, jax.random.PRNGKey(0), max_new_tokens=11, params=GREEDY)
+    contexts = [p + list(g.tokens) + t for p, g, t in zip(PROMPTS, first, tool)]
+    scratch = sampler.prefill(contexts)
+    _, again = sampler.generate(scratch, jax.random.PRNGKey(0), max_new_tokens=11, params=GREEDY)
+    for a, b in zip(second, again):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+    np.testing.assert_array_equal(state.lengths, [len(c) + 11 for c in contexts])
+
+
+def test_fork_branches_equal_independent_runs_with_the_same_keys(model, sampler):
+    keys = jax.random.split(jax.random.PRNGKey(7), 4)
+    params = SamplingParams(temperature=1.0)
+    prefix = PROMPTS[0]
+    state = sampler.prefill([prefix, PROMPTS[1]])
+    state, _ = sampler.generate(state, jax.random.PRNGKey(3), max_new_tokens=5, params=params)
+    state = sampler.append(state, [[50, 51], [52]])
+    context = sampler.fork(state, [0])  # keep a copy of row 0 before the fork consumes nothing
+    forked = sampler.fork(state, [0, 0, 0, 0])
+    forked, branches = sampler.generate(forked, keys, max_new_tokens=15, params=params)
+    # Independent runs: the same context, one at a time, each with its branch's key.
+    row0 = context
+    for j in range(4):
+        single = sampler.fork(row0, [0])
+        _, (alone,) = sampler.generate(single, keys[j][None], max_new_tokens=15, params=params)
+        np.testing.assert_array_equal(branches[j].tokens, alone.tokens)
+        np.testing.assert_allclose(branches[j].logprobs, alone.logprobs, atol=1e-5)
+    assert len({tuple(b.tokens) for b in branches}) > 1  # the branches' streams differ
+
+
+def test_same_key_same_tokens_and_batch_invariance(sampler):
+    params = SamplingParams(temperature=1.0, top_p=0.95)
+    key = jax.random.PRNGKey(11)
+    _, a = sampler.generate(sampler.prefill(PROMPTS), key, max_new_tokens=16, params=params)
+    _, b = sampler.generate(sampler.prefill(PROMPTS), key, max_new_tokens=16, params=params)
+    _, c = sampler.generate(sampler.prefill(PROMPTS), jax.random.PRNGKey(12), max_new_tokens=16, params=params)
+    assert [g.tokens.tolist() for g in a] == [g.tokens.tolist() for g in b]
+    assert [g.tokens.tolist() for g in a] != [g.tokens.tolist() for g in c]
+    # Row 1 alone, given row 1's key, samples the same tokens as inside the batch.
+    row_key = jax.random.fold_in(key, 1)
+    _, (alone,) = sampler.generate(sampler.prefill([PROMPTS[1]]), row_key[None], max_new_tokens=16, params=params)
+    assert alone.tokens.tolist() == a[1].tokens.tolist()
+
+
+def test_stop_strings_split_across_tokens_end_the_text_exactly(model, sampler):
+    tokenizer = sampler.tokenizer
+    state = sampler.prefill(PROMPTS)
+    _, free = sampler.generate(state, jax.random.PRNGKey(0), max_new_tokens=40, params=GREEDY)
+    for g in free:
+        pieces = [tokenizer.table[t] for t in g.tokens]
+        text = b"".join(pieces).decode()
+        ends = np.cumsum([len(p) for p in pieces])
+        # A stop string spanning >= 2 tokens and ending strictly inside a token, when one exists.
+        cut = next((e for e in range(5, len(text)) if e not in set(ends) and
+                    np.searchsorted(ends, e - 4, side="right") < np.searchsorted(ends, e, side="left")), None)
+        if cut is None:
+            continue
+        stop = text[cut - 4:cut]
+        end, _ = first_stop(text, [stop])
+        k = int(np.searchsorted(ends, end, side="left")) + 1  # tokens up to the one completing the stop
+        _, (g2,) = sampler.generate(sampler.prefill([PROMPTS[free.index(g)]]), jax.random.PRNGKey(0),
+                                    max_new_tokens=40, params=GREEDY, stop=[stop, "zzzz"])
+        assert g2.finish_reason == "stop" and g2.stop_string == stop
+        assert g2.text == text[:end] and g2.text.endswith(stop)
+        assert g2.tokens.tolist() == g.tokens[:k].tolist()
+        assert g2.text_after_stop == text[end:ends[k - 1]]
+        break
+    else:
+        pytest.fail("no generated text had a suitable stop string")
+
+
+def test_stop_automaton_matches_python_search():
+    rng = np.random.default_rng(0)
+    patterns = [b"</a>", b"ab", b"<b/b>", b"bb/"]
+    tokens = [bytes(rng.choice(list(b"</ab>"), size=rng.integers(1, 4))) for _ in range(60)]
+    table = token_transition_table(patterns, tokens, 32)
+    delta, accept = build_automaton(patterns)
+    for _ in range(200):
+        seq = rng.integers(0, len(tokens), size=12)
+        state, hit, text = 0, None, b""
+        for i, t in enumerate(seq):
+            text += tokens[t]
+            state = table[state, t]
+            if state < 0:
+                hit = i
+                break
+        first = min((text.find(p) + len(p) for p in patterns if p in text), default=None)
+        expect = None
+        if first is not None:  # the index of the token whose bytes reach `first`
+            expect = int(np.searchsorted(np.cumsum([len(tokens[t]) for t in seq[:hit + 1]]), first))
+        assert hit == expect
+
+
+def test_eos_and_per_row_limits(model):
+    probe = Sampler(model)
+    _, free = probe.generate(probe.prefill(PROMPTS), jax.random.PRNGKey(0), max_new_tokens=12, params=GREEDY)
+    eos = int(free[0].tokens[3])
+    _, gens = probe.generate(probe.prefill(PROMPTS), jax.random.PRNGKey(0), max_new_tokens=[12, 0, 5],
+                             params=GREEDY, stop_token_ids=[eos])
+    first_eos = free[0].tokens.tolist().index(eos)
+    assert gens[0].finish_reason == "eos" and gens[0].tokens.tolist() == free[0].tokens[:first_eos + 1].tolist()
+    assert gens[1].finish_reason == "length" and len(gens[1].tokens) == 0
+    assert len(gens[2].tokens) <= 5
+
+
+def test_bad_input_fails_before_compiling(model):
+    s = Sampler(model, max_context=40)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        s.prefill([[1, 2], []])
+    with pytest.raises(ValueError, match="no prompts"):
+        s.prefill([])
+    with pytest.raises(ContextOverflowError, match="prompt 0 has 41 tokens"):
+        s.prefill([list(range(41))])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        s.prefill([[1, 99999]])
+    assert s.num_compiled == 0
+    state = s.prefill([[1, 2, 3]])
+    compiled = s.num_compiled
+    with pytest.raises(ValueError, match="stop_token_ids: token id 1000"):
+        s.generate(state, jax.random.PRNGKey(0), max_new_tokens=4, stop_token_ids=[1000])
+    with pytest.raises(ValueError, match="need a tokenizer"):
+        s.generate(state, jax.random.PRNGKey(0), max_new_tokens=4, stop=["</a>"])
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=0.0)
+    assert s.num_compiled == compiled
+    # Overflow during an episode: a clean finish with reason `context`, never a truncation.
+    state, (g,) = s.generate(state, jax.random.PRNGKey(0), max_new_tokens=100, params=GREEDY)
+    assert g.finish_reason == "context" and state.lengths[0] == 40 and len(g.tokens) == 37
+    with pytest.raises(ContextOverflowError, match="row 0 would reach 41"):
+        s.append(state, [[5]])
+    state, (g,) = s.generate(state, jax.random.PRNGKey(0), max_new_tokens=3, params=GREEDY)
+    assert g.finish_reason == "context" and len(g.tokens) == 0
+
+
+def test_growth_and_compaction_change_nothing(model):
+    """A small cache that must grow and compact gives what a roomy cache gives."""
+    small = Sampler(model, min_cache_length=16, max_cache_length=64, min_extend_length=4)
+    roomy = Sampler(model, min_cache_length=256)
+    results = []
+    for s in (small, roomy):
+        state = s.prefill([[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11]])
+        out = []
+        for step in range(4):
+            state, gens = s.generate(state, jax.random.PRNGKey(step), max_new_tokens=[6, 2 + step],
+                                     params=GREEDY)
+            out.append([g.tokens.tolist() for g in gens])
+            state = s.append(state, [[60 + step] * (step + 1), [70]])
+            if step == 1:
+                state = s.fork(state, [1, 0])
+        results.append((out, state.lengths.tolist()))
+    assert results[0] == results[1]
+    assert small.num_compiled > 0 and max(p[1].cache_length for p in small._programs
+                                          if hasattr(p[1], "cache_length")) <= 64
+
+
+def test_buckets_keep_programs_few(model):
+    s = Sampler(model)
+    rng = np.random.default_rng(0)
+    for _ in range(6):
+        n = int(rng.integers(3, 5))
+        prompts = [list(rng.integers(3, 200, size=rng.integers(2, 14))) for _ in range(n)]
+        state = s.prefill(prompts)
+        s.generate(state, jax.random.PRNGKey(0), max_new_tokens=int(rng.integers(9, 16)), params=GREEDY)
+    # batch buckets {3, 4}, one extend length, one cache length, one max_new bucket
+    assert s.num_compiled <= 4
+    assert [bucket(n) for n in (1, 2, 3, 5, 7, 9, 13, 100)] == [1, 2, 3, 6, 8, 12, 16, 128]
+
+
+def test_sharded_parameters_and_batch(model):
+    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+    sharded = shard_model(nnx.clone(model), mesh)
+    s = Sampler(sharded, mesh=mesh)
+    ref = Sampler(model)
+    params = SamplingParams(temperature=0.9, with_entropy=True)
+    key = jax.random.PRNGKey(5)
+    state, gens = s.generate(s.prefill(PROMPTS), key, max_new_tokens=10, params=params)
+    assert state.batch_bucket % 4 == 0
+    assert state.cache.k.sharding.spec[1] == ("data", "fsdp")
+    state = s.append(state, [[1, 2], [3], []])
+    state = s.fork(state, [2, 0])
+    state, more = s.generate(state, key, max_new_tokens=5, params=GREEDY)
+    r_state, r_gens = ref.generate(ref.prefill(PROMPTS), key, max_new_tokens=10, params=params)
+    r_state = ref.fork(ref.append(r_state, [[1, 2], [3], []]), [2, 0])
+    _, r_more = ref.generate(r_state, key, max_new_tokens=5, params=GREEDY)
+    for a, b in zip(gens + more, r_gens + r_more):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
