@@ -151,9 +151,11 @@ class ToolCallEnv:
 
     def __init__(self, registry: Optional[ToolRegistry] = None, *,
                  registry_factory: Optional[Callable[[Task], ToolRegistry]] = None,
-                 system_prompt: str = TOOL_CALL_SYSTEM_PROMPT, invalid_action: str = "error_observation"):
+                 system_prompt: str = TOOL_CALL_SYSTEM_PROMPT, invalid_action: str = "error_observation",
+                 examples: Sequence[Sequence[dict]] = ()):
         """`registry` serves every task; `registry_factory(task)` instead builds one per task
-        (the tool world's tools depend on the episode's "now" and location)."""
+        (the tool world's tools depend on the episode's "now" and location). `examples`: worked
+        demonstrations as chat messages (user, assistant, tool, ...) shown before the question."""
         if invalid_action not in ("error_observation", "end"):
             raise ValueError(f"invalid_action must be 'error_observation' or 'end', got {invalid_action!r}")
         if (registry is None) == (registry_factory is None):
@@ -162,6 +164,7 @@ class ToolCallEnv:
         self.registry_factory = registry_factory
         self.system_prompt = system_prompt
         self.invalid_action = invalid_action
+        self.examples = tuple(tuple(e) for e in examples)
         self._registries: dict = {}
         self._lock = threading.Lock()
         self._suffix_cache: dict = {}
@@ -184,7 +187,8 @@ class ToolCallEnv:
     def messages(self, task: Task) -> list[dict]:
         context = task.metadata.get("context")
         user = task.question if not context else f"{context}\n\n{task.question}"
-        return [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": user}]
+        shown = [dict(m) for example in self.examples for m in example]
+        return [{"role": "system", "content": self.system_prompt}, *shown, {"role": "user", "content": user}]
 
     def tool_schemas(self, task: Task) -> Optional[list[dict]]:
         return self.registry_for(task).openai_schemas()

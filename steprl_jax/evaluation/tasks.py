@@ -109,7 +109,8 @@ def _toolworld_suite(config) -> TaskSuite:
     def registry_for(task: Task) -> ToolRegistry:
         return make_registry(world, by_id[task.id].context, failure_rate=failure_rate, salt=task.id)
 
-    env = ToolCallEnv(registry_factory=registry_for, invalid_action=config.env.invalid_action)
+    env = ToolCallEnv(registry_factory=registry_for, invalid_action=config.env.invalid_action,
+                      examples=_toolworld_examples(world, splits["train"], int(config.env.few_shot)))
 
     def outcome(task: Task, traj) -> str:
         failed = any("error" in r and r["error"].get("type") == "tool_failure"
@@ -117,6 +118,19 @@ def _toolworld_suite(config) -> TaskSuite:
         return rules.toolworld_outcome(traj.final_answer, task.reference, failed)
 
     return TaskSuite(tasks, env, outcome)
+
+
+def _toolworld_examples(world, train_queries, k: int) -> list[list[dict]]:
+    """`k` expert demonstrations (from the train split, multi-call first) as chat messages."""
+    from steprl_jax.data.toolworld import toolworld_demonstration
+
+    chosen = sorted(train_queries, key=lambda q: (-q.tool_calls, q.id))[:k]
+    examples = []
+    for query in chosen:
+        messages = toolworld_demonstration(world, query).as_messages()
+        messages[0] = {"role": "user", "content": f"{_context_line(query)}\n\n{query.question}"}
+        examples.append(messages)
+    return examples
 
 
 def _context_line(query) -> str:
