@@ -147,16 +147,15 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: TrainStepCo
 
 
 def make_logprob_fn(graphdef, *, temperature: float = 1.0, chunk_size: int = 128,
-                    mesh: Optional[Mesh] = None, params_shardings=None,
-                    rules: dict = LOGICAL_AXIS_RULES):
+                    mesh: Optional[Mesh] = None, rules: dict = LOGICAL_AXIS_RULES):
     """Jitted fn(params, rest, tokens, attention_mask) -> logp_bt [B, L], aligned like Batch:
-    recompute old log-probs or fill `ref_logp` from a frozen reference model's params."""
+    recompute old log-probs or fill `ref_logp` from a frozen reference model's params
+    (`attention_mask` may be None). Inputs keep the shardings they were placed with; with a
+    mesh the output is sharded over the data axes like a Batch."""
     def fn(params, rest, tokens, attention_mask):
         model = merge_model(graphdef, params, rest)
         return sequence_logprobs(model, tokens, attention_mask_bt=attention_mask,
                                  temperature=temperature, chunk_size=chunk_size)
     if mesh is None:
         return jax.jit(fn)
-    del params_shardings  # params keep the shardings they were placed with
-    sh = batch_sharding(mesh, rules)
-    return jax.jit(fn, in_shardings=(None, None, sh, sh), out_shardings=sh)
+    return jax.jit(fn, out_shardings=batch_sharding(mesh, rules))
