@@ -154,3 +154,34 @@ def test_interrupted_run_resumes_to_the_same_records(smol, tmp_path):
     assert whole == parts
     assert metrics["episodes"] == 2
     assert (tmp_path / "parts" / "summary.png").stat().st_size > 1000
+
+
+def test_sampled_rollouts_with_a_tiny_random_model_rescore_exactly():
+    """Temperature sampling on a tiny random model: invalid actions become error observations,
+    episodes hit the step cap, and every recorded log-prob is the model's (at that temperature)."""
+    from flax import nnx
+
+    from steprl_jax.models import ModelConfig, Transformer
+    from steprl_jax.models.gguf_io import read_gguf_tokenizer
+    from steprl_jax.models.pretrained import resolve_source
+    from steprl_jax.sampling import Sampler
+
+    tokenizer = read_gguf_tokenizer(resolve_source("smollm2-135m-instruct"))
+    config = ModelConfig.tiny("llama", vocab_size=len(tokenizer), max_position_embeddings=2048,
+                              eos_token_ids=(tokenizer.convert_tokens_to_ids("<|im_end|>"),))
+    model = Transformer(config, rngs=nnx.Rngs(7))
+    sampler = Sampler(model, tokenizer, max_context=2048)
+    rollout = RolloutConfig(max_steps=3, max_new_tokens=12, max_context=2048, temperature=0.8, batch_size=3)
+    engine = RolloutEngine(sampler, tokenizer, _env(), rollout, seed=1)
+    trajectories = list(engine.run([(f"e{i}", t) for i, t in enumerate(_tasks(3))]))
+    assert {t.termination for t in trajectories} <= {"step_cap", "answer", "context"}
+    assert any(s.kind == "invalid" and "Error" in s.observation_text for t in trajectories for s in t.steps)
+    for trajectory in trajectories:
+        ids = trajectory.all_ids()
+        hidden = model.hidden_states(jnp.asarray([ids[:-1]]))
+        logp = np.asarray(token_logprobs(hidden, model.unembedding(), jnp.asarray([ids[1:]]), temperature=0.8))[0]
+        position = len(trajectory.prompt_ids)
+        for step in trajectory.steps:
+            np.testing.assert_allclose(logp[position - 1:position - 1 + len(step.action_ids)],
+                                       step.action_logprobs, atol=1e-4)
+            position += len(step.action_ids) + len(step.observation_ids)
