@@ -15,9 +15,10 @@ re-prefilling the 1,550 tokens; an 8-leaf fork of a 1,000-token prefix (one pref
 8 independent prefills (one batched prefill of 8 rows). For those two cases the reference column
 is the naive strategy with our own model; `ratio` is always reference time / our time.
 
-The roofline is an estimate for this machine from a measured float32 matmul rate and a measured
-memory bandwidth (copy of a 256 MB array): per decode step, max(FLOPs / rate, bytes / bandwidth)
-with FLOPs = 2 x (matmul parameters + attention) x batch and bytes = parameter bytes + KV cache.
+The roofline is an estimate for this machine from a measured matmul rate (1024^3, in our compute
+dtype) and a measured memory bandwidth (256 MB): per decode step, max(FLOPs / rate, bytes /
+bandwidth) with FLOPs = 2 x (matmul parameters + attention) x batch and bytes = parameter bytes
++ KV cache; the bf16 roofline (2-byte weights, bf16 matmul rate) is printed too.
 """
 from __future__ import annotations
 
@@ -53,19 +54,23 @@ def _median_time(fn, reps):
 
 
 def _measure_machine():
-    """(float32 matmul FLOP/s, memory bandwidth B/s), measured with jitted JAX ops."""
+    """Measured now: float32 and bfloat16 matmul FLOP/s (1024^3, f32 accumulation) and memory
+    bandwidth in B/s (the better of a numpy copy, read + write, and a jitted sum, read)."""
     n = 1024
-    a = jnp.ones((n, n), jnp.float32)
-    mm = jax.jit(lambda x: x @ x)
-    jax.block_until_ready(mm(a))
-    t = _median_time(lambda: jax.block_until_ready(mm(a)), 5)
-    flops = 2 * n ** 3 / t
-    big = jnp.ones((64 * 1024 * 1024,), jnp.float32)  # 256 MB
-    cp = jax.jit(lambda x: x + 1.0)
-    jax.block_until_ready(cp(big))
-    t = _median_time(lambda: jax.block_until_ready(cp(big)), 5)
-    bandwidth = 2 * big.size * 4 / t  # read + write
-    return flops, bandwidth
+    rates = {}
+    for dtype in (jnp.float32, jnp.bfloat16):
+        a = jnp.ones((n, n), dtype)
+        mm = jax.jit(lambda x: jnp.matmul(x, x, preferred_element_type=jnp.float32))
+        jax.block_until_ready(mm(a))
+        rates[jnp.dtype(dtype).name] = 2 * n ** 3 / _median_time(lambda: jax.block_until_ready(mm(a)), 5)
+    src = np.ones(64 * 1024 * 1024, np.float32)  # 256 MB
+    dst = np.empty_like(src)
+    copy_bw = 2 * src.nbytes / _median_time(lambda: np.copyto(dst, src), 5)
+    big = jnp.asarray(src)
+    total = jax.jit(jnp.sum)
+    jax.block_until_ready(total(big))
+    sum_bw = big.nbytes / _median_time(lambda: jax.block_until_ready(total(big)), 5)
+    return rates, max(copy_bw, sum_bw)
 
 
 def _roofline(config, batch, prompt_len, new_tokens, flops, bandwidth, bytes_per_value=4):
@@ -147,9 +152,11 @@ def main(argv=None):
     model, tokenizer = load_pretrained("smollm2-135m-instruct", compute_dtype=args.dtype)
     sampler = Sampler(model, tokenizer)
     reference = None if args.skip_reference else _Reference(resolve_source("smollm2-135m-instruct"))
-    flops, bandwidth = _measure_machine()
-    print(f"machine: {jax.devices()[0].platform}, {os.cpu_count()} cpus, float32 matmul {flops / 1e9:.0f} GFLOP/s, "
-          f"memory {bandwidth / 1e9:.1f} GB/s (measured now; the machine may be shared)")
+    rates, bandwidth = _measure_machine()
+    flops = rates[args.dtype]
+    print(f"machine: {jax.devices()[0].platform}, {os.cpu_count()} cpus, matmul float32 {rates['float32'] / 1e9:.0f} / "
+          f"bfloat16 {rates['bfloat16'] / 1e9:.0f} GFLOP/s, memory {bandwidth / 1e9:.1f} GB/s "
+          "(measured now; the machine may be shared)")
     base = [list(apply_chat(tokenizer, [{"role": "user", "content": q}])) for q in QUESTIONS]
     greedy = SamplingParams(greedy=True)
     new = args.new_tokens
@@ -178,14 +185,18 @@ def main(argv=None):
                 t_ref.append(time.perf_counter() - t0)
         ours_tps = batch * new / statistics.median(t_ours)
         ref_tps = batch * new / statistics.median(t_ref) if t_ref else None
-        roof = _roofline(model.config, batch, int(np.mean([len(p) for p in prompts])), new, flops, bandwidth)
+        mean_prompt = int(np.mean([len(p) for p in prompts]))
+        roof = _roofline(model.config, batch, mean_prompt, new, flops, bandwidth,
+                         jnp.dtype(args.dtype).itemsize)
+        roof_bf16 = _roofline(model.config, batch, mean_prompt, new, rates["bfloat16"], bandwidth, 2)
         records.append(dict(case="generate", batch=batch, ours_tokens_per_s=ours_tps,
                             reference_tokens_per_s=ref_tps, ratio=ref_tps and ours_tps / ref_tps,
                             reference=reference and "transformers %s, %d thread(s)" % reference.choice,
-                            roofline_tokens_per_s=roof))
+                            roofline_tokens_per_s=roof, roofline_bf16_tokens_per_s=roof_bf16))
         rows.append((f"generate {new} greedy", batch, ours_tps, ref_tps, roof))
         print(f"  batch {batch}: ours {ours_tps:.1f} tok/s, transformers "
-              f"{ref_tps and f'{ref_tps:.1f}'} tok/s, roofline {roof:.0f} tok/s", flush=True)
+              f"{ref_tps and f'{ref_tps:.1f}'} tok/s, roofline {roof:.0f} tok/s ({args.dtype}), "
+              f"{roof_bf16:.0f} tok/s (bf16 weights)", flush=True)
 
     # Continue a 1,500-token state by 50 tool tokens vs re-prefilling the 1,550 tokens.
     text_ids = [t for p in base for t in p]
@@ -242,9 +253,10 @@ def main(argv=None):
           f"{sampler.num_compiled} sampler programs compiled")
     print(f"{'case':38s} {'batch':>5s} {'ours tok/s':>11s} {'ref tok/s':>10s} {'ratio':>7s} {'roofline':>9s} {'% roof':>7s}")
     for case, batch, o, r, roof in rows:
-        ratio = f"{o / r:7.2f}" if r else "      -"
-        print(f"{case:38s} {batch:5d} {o:11.1f} {r if r is None else f'{r:10.1f}':>10} {ratio} "
-              f"{'' if roof is None else f'{roof:9.0f}':>9s} {'' if roof is None else f'{100 * o / roof:6.0f}%':>7s}")
+        ref = f"{r:10.1f}" if r else f"{'-':>10s}"
+        ratio = f"{o / r:7.2f}" if r else f"{'-':>7s}"
+        roofs = f"{roof:9.0f} {100 * o / roof:6.0f}%" if roof else ""
+        print(f"{case:38s} {batch:5d} {o:11.1f} {ref} {ratio} {roofs}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=2)

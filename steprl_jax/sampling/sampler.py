@@ -247,12 +247,16 @@ class Sampler:
         with reason `context`.
       prefill_chunk: prompts (and appended tokens) are fed in chunks of at most this many
         tokens, which bounds both activation memory and the number of compiled programs.
+      prefill_attention_bytes: chunks are also cut so that one layer's float32 attention
+        logits, B x N x T x S x 4 bytes, stay under this (each chunk attends over all S slots,
+        so fewer, longer chunks waste less work on empty slots).
       min_cache_length, min_extend_length: smallest buckets.
     """
 
     def __init__(self, model: Transformer, tokenizer=None, *, mesh=None, rules: dict = LOGICAL_AXIS_RULES,
                  max_context: Optional[int] = None, max_cache_length: Optional[int] = None,
-                 prefill_chunk: int = 512, min_cache_length: int = 128, min_extend_length: int = 16):
+                 prefill_chunk: int = 2048, prefill_attention_bytes: int = 1 << 30,
+                 min_cache_length: int = 128, min_extend_length: int = 16):
         self.config = model.config
         self.tokenizer = tokenizer
         self.mesh = mesh
@@ -262,6 +266,7 @@ class Sampler:
             log.info("max_cache_length %d is below max_context %d: long rows will finish with 'context'",
                      self.max_cache_length, self.max_context)
         self.prefill_chunk = int(prefill_chunk)
+        self.prefill_attention_bytes = int(prefill_attention_bytes)
         self.min_cache_length = int(min_cache_length)
         self.min_extend_length = int(min_extend_length)
         self.eos_ids = tuple(int(i) for i in self.config.eos_token_ids)
@@ -577,7 +582,11 @@ class Sampler:
         total = max(f.size for f in feeds)
         if total == 0:
             return state
-        sizes = [min(self.prefill_chunk, total - lo) for lo in range(0, total, self.prefill_chunk)]
+        B = state.batch_bucket
+        slots = max(state.cache_length, bucket(state.index + total, self.min_cache_length))
+        fits = self.prefill_attention_bytes // (4 * B * self.config.num_heads * slots)
+        chunk = max(self.min_extend_length, min(self.prefill_chunk, 1 << max(int(fits), 1).bit_length() - 1))
+        sizes = [min(chunk, total - lo) for lo in range(0, total, chunk)]
         widths = [bucket(c, self.min_extend_length) for c in sizes]
         state, available = self._ensure_capacity(state, sum(widths))
         if available < sum(widths):  # at the cache cap: no bucket padding
@@ -586,7 +595,6 @@ class Sampler:
             if available < total:
                 raise ContextOverflowError(
                     f"{total} new cache slots needed, but the cache is capped at {self.max_cache_length} slots")
-        B = state.batch_bucket
         ids = np.zeros((B, total), np.int32)
         pos = np.full((B, total), -1, np.int32)
         for b, (f, start) in enumerate(zip(feeds, start_positions)):
