@@ -9,15 +9,17 @@ matmuls / float32 accumulation and float32 master weights. Reference: the transf
 loaded from the same GGUF, the same loss written in torch, torch.optim.AdamW, default float32.
 
 MFU = model FLOPs per second / the bf16-in, f32-accumulate matmul rate measured here, in this
-run (model FLOPs: 6 x matmul parameters x tokens + causal-free attention 12 x L x B x T^2 x N x
-H; recomputation not counted). Everything is timed in the same process, so the ratios hold
-even when the machine is shared.
+run just before our steps (model FLOPs: 6 x matmul parameters x tokens + causal-free attention 12 x L x B x T^2 x N x
+H; recomputation not counted). Everything is timed in the same process; the PyTorch steps run
+before and after ours (median), so a change of load on a shared machine biases neither side.
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
+import subprocess
 import sys
 import time
 
@@ -65,7 +67,7 @@ def synthetic_batch(batch: int, length: int, vocab: int, seed: int = 0):
     return tokens, mask, adv
 
 
-def bench_jax(batch, length, steps, chunk):
+def bench_jax(batch, length, steps, chunk, microbatches=1):
     import jax
     from steprl_jax.models import load_pretrained
     from steprl_jax.training import (LossConfig, OptimizerConfig, TrainStepConfig,
@@ -79,7 +81,8 @@ def bench_jax(batch, length, steps, chunk):
     old = make_logprob_fn(graphdef, chunk_size=chunk)(state.params, state.rest, tokens, None)
     b = jax.device_put(make_batch(tokens, mask, adv, np.asarray(old)))
     step = make_train_step(graphdef, tx, TrainStepConfig(loss=LossConfig(
-        agg="token_mean", eps_low=0.2, eps_high=0.28, logprob_chunk=chunk)))
+        agg="token_mean", eps_low=0.2, eps_high=0.28, logprob_chunk=chunk),
+        num_microbatches=microbatches))
     _log(f"jax: model loaded; compiling the train step")
     t0 = time.perf_counter()
     state, m = step(state, b)
@@ -95,10 +98,12 @@ def bench_jax(batch, length, steps, chunk):
         times.append(time.perf_counter() - t0)
         _log(f"jax: step {len(times)} took {times[-1]:.2f} s")
     assert step._cache_size() == n_compiles, "train step retraced"
+    del state, b
     return cfg, float(np.median(times)), compile_s, first_clipfrac, float(m["loss"])
 
 
-def bench_torch(batch, length, steps, threads):
+def make_torch_bench(batch, length, threads):
+    """Load the reference, warm it up, return `timed(n) -> [seconds per step]`."""
     import torch
     from transformers import AutoModelForCausalLM
     torch.set_num_threads(threads)
@@ -131,18 +136,28 @@ def bench_torch(batch, length, steps, threads):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        return float(loss)
+        return float(loss.detach())
 
     t0 = time.perf_counter()
     one_step()  # warm-up
     _log(f"torch: warm-up step took {time.perf_counter() - t0:.2f} s")
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        one_step()
-        times.append(time.perf_counter() - t0)
-        _log(f"torch: step {len(times)} took {times[-1]:.2f} s")
-    return float(np.median(times))
+
+    def timed(n):
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            one_step()
+            times.append(time.perf_counter() - t0)
+            _log(f"torch: step took {times[-1]:.2f} s")
+        return times
+    return timed
+
+
+def _torch_child(a):
+    cmd = [sys.executable, "-m", "steprl_jax.benchmarks.train_step", "--torch-only",
+           f"--batch={a.batch}", f"--length={a.length}", f"--torch-steps={a.torch_steps}"]
+    out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def main(argv=None):
@@ -150,23 +165,35 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--length", type=int, default=512)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--torch-steps", type=int, default=2)
+    p.add_argument("--torch-steps", type=int, default=1, help="before and after ours each")
     p.add_argument("--chunk", type=int, default=128)
+    p.add_argument("--microbatches", type=int, default=1,
+                   help="gradient accumulation inside our step (same math, less memory)")
     p.add_argument("--skip-torch", action="store_true")
+    p.add_argument("--torch-only", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.torch_only:  # child process: warm up, time, print JSON
+        print(json.dumps(make_torch_bench(a.batch, a.length, os.cpu_count() or 1)(
+            a.torch_steps)))
+        return
+    # PyTorch steps run in child processes before AND after ours (separate processes: the two
+    # models never share memory), so a change of machine load biases neither side.
+    torch_times = [] if a.skip_torch else _torch_child(a)
     rate = measure_matmul_rate()
     _log(f"bf16 matmul rate {rate / 1e12:.3f} TFLOP/s")
-    cfg, jax_s, compile_s, clipfrac, loss = bench_jax(a.batch, a.length, a.steps, a.chunk)
+    cfg, jax_s, compile_s, clipfrac, loss = bench_jax(a.batch, a.length, a.steps, a.chunk,
+                                                         a.microbatches)
+    if not a.skip_torch:
+        torch_times += _torch_child(a)
+    torch_s = float(np.median(torch_times)) if torch_times else None
     flops = model_flops(cfg, a.batch, a.length)
     tokens = a.batch * a.length
-    torch_s = None if a.skip_torch else bench_torch(a.batch, a.length, a.torch_steps,
-                                                     os.cpu_count() or 1)
     print(f"train step, SmolLM2-135M-Instruct, batch {a.batch} x {a.length} tokens "
           f"(forward + backward + AdamW)")
     print(f"measured bf16-in/f32-acc matmul rate: {rate / 1e12:.3f} TFLOP/s; "
           f"model FLOPs per step: {flops / 1e12:.2f} TFLOP")
     print(f"{'impl':<28}{'s/step':>9}{'tokens/s':>11}{'TFLOP/s':>9}{'MFU':>8}")
-    rows = [("steprl_jax (bf16 matmul)", jax_s)]
+    rows = [(f"steprl_jax (bf16, {a.microbatches} micro)", jax_s)]
     if torch_s is not None:
         rows.append(("pytorch transformers (f32)", torch_s))
     for name, s in rows:
