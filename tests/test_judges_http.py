@@ -210,7 +210,9 @@ def test_concurrency_limit_and_a_slow_call_does_not_block_the_batch(stub):
     items = [StepItem(f"q{i}", "", "a") for i in range(12)]
     verdicts = judge.judge_steps(items)
     assert [v.label for v in verdicts] == ["GOOD"] * 12
-    assert stub.max_in_flight == 3  # the limit is reached, never passed
+    # Never more than the limit. (Whether fast requests overlap enough to reach it depends on
+    # scheduling; the slow one plus at least one other is certain.)
+    assert 2 <= stub.max_in_flight <= 3
     # The other requests were answered while the slow one was still in flight, not after it.
     assert len(finished_during_sleep) >= 8
 
