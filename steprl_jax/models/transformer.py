@@ -22,12 +22,16 @@ import numpy as np
 from flax import nnx
 
 from steprl_jax.models.config import ModelConfig, RopeConfig
+from steprl_jax.ops.matmul import mixed_einsum
 
 _MASKED = -1e30  # finite, so a fully masked (padding) query row gives no NaN
 
 
 def _mm(eq: str, x, w, dtype):
-    return jnp.einsum(eq, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32)
+    if dtype == jnp.float32:
+        return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32)
+    # Low-precision operands, float32 accumulation, and a backward pass that stays low precision.
+    return mixed_einsum(eq, x, w, dtype)
 
 
 def _rms_norm(x, w, eps: float, plus_one: bool):
@@ -217,7 +221,9 @@ class Transformer(nnx.Module):
         return (self.embed if self.config.tie_embeddings else self.lm_head).get_value()
 
     def logits_from_hidden(self, hidden):
-        logits = _mm("...d,vd->...v", hidden, self.unembedding(), jnp.dtype(self.config.compute_dtype))
+        dtype = jnp.dtype(self.config.compute_dtype)
+        logits = jnp.einsum("...d,vd->...v", hidden.astype(dtype), self.unembedding().astype(dtype),
+                            preferred_element_type=jnp.float32)
         return softcap(logits, self.config.final_logit_softcap)
 
     # ------------------------------------------------------------- internals
