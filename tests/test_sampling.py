@@ -270,3 +270,23 @@ def test_sharded_parameters_and_batch(model, sampler):
     for a, b in zip(gens + more, r_gens + r_more):
         np.testing.assert_array_equal(a.tokens, b.tokens)
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_bf16_recorded_logprobs_equal_the_trainers_recomputation():
+    """bf16 compute: weights cast once by the sampler; a full forward + token_logprobs (the
+    trainer's path, float32 parameters) gives the same log-probs."""
+    from steprl_jax.ops.logprobs import token_logprobs
+
+    model = Transformer(ModelConfig.tiny(compute_dtype="bfloat16", eos_token_ids=()), rngs=nnx.Rngs(3))
+    s = Sampler(model)
+    assert s._params["layers"]["q"].get_value().dtype == jnp.bfloat16
+    assert s._params["final_norm"].get_value().dtype == jnp.float32
+    prompt = [1, 2, 3, 4]
+    state, (g,) = s.generate(s.prefill([prompt]), jax.random.PRNGKey(0), max_new_tokens=10,
+                             params=SamplingParams(temperature=0.8))
+    assert state.cache.k.dtype == jnp.bfloat16
+    seq = prompt + g.tokens.tolist()
+    hidden = model.hidden_states(jnp.asarray([seq]))
+    logp = token_logprobs(hidden, model.unembedding(), jnp.asarray([seq[1:] + [0]]), temperature=0.8,
+                          compute_dtype=jnp.bfloat16)[0, len(prompt) - 1:-1]
+    np.testing.assert_allclose(g.logprobs, logp, atol=1e-5)
