@@ -292,12 +292,14 @@ def _decoder_layer(c: ModelConfig, dtype, p: dict, x, cos, sin, mask_bts, kv, la
     q = _apply_rope(q, cos, sin)
     k = _apply_rope(k, cos, sin)
     if kv is not None:
+        # Write only the new tokens into the (loop-carried, updated in place) cache, then read
+        # this layer's keys and values: a step costs O(new tokens) writes, not a cache copy.
         k_all, v_all, index = kv
-        k_layer = jax.lax.dynamic_update_slice(k_all[layer_idx], k.astype(k_all.dtype), (0, index, 0, 0))
-        v_layer = jax.lax.dynamic_update_slice(v_all[layer_idx], v.astype(v_all.dtype), (0, index, 0, 0))
-        k_all = jax.lax.dynamic_update_index_in_dim(k_all, k_layer, layer_idx, 0)
-        v_all = jax.lax.dynamic_update_index_in_dim(v_all, v_layer, layer_idx, 0)
-        k, v, kv = k_layer, v_layer, (k_all, v_all, index)
+        k_all = jax.lax.dynamic_update_slice(k_all, k.astype(k_all.dtype)[None], (layer_idx, 0, index, 0, 0))
+        v_all = jax.lax.dynamic_update_slice(v_all, v.astype(v_all.dtype)[None], (layer_idx, 0, index, 0, 0))
+        k = jax.lax.dynamic_index_in_dim(k_all, layer_idx, 0, keepdims=False)
+        v = jax.lax.dynamic_index_in_dim(v_all, layer_idx, 0, keepdims=False)
+        kv = (k_all, v_all, index)
     attn = _attention(c, dtype, q, k, v, mask_bts)
     out = _mm("btnh,nhd->btd", attn, p["o"], dtype)
     if c.sandwich_norms:
