@@ -246,7 +246,8 @@ class Sampler:
         `max_context`); above it the cache is compacted, and rows that still do not fit finish
         with reason `context`.
       prefill_chunk: prompts (and appended tokens) are fed in chunks of at most this many
-        tokens, which bounds both activation memory and the number of compiled programs.
+        tokens, which bounds both activation memory and the number of compiled programs
+        (on XLA:CPU with SmolLM2, 1,550 tokens: 512 -> 11.9 s, 256 -> 14.6 s, 2048 -> 19.5 s).
       prefill_attention_bytes: chunks are also cut so that one layer's float32 attention
         logits, B x N x T x S x 4 bytes, stay under this (each chunk attends over all S slots,
         so fewer, longer chunks waste less work on empty slots).
@@ -255,7 +256,7 @@ class Sampler:
 
     def __init__(self, model: Transformer, tokenizer=None, *, mesh=None, rules: dict = LOGICAL_AXIS_RULES,
                  max_context: Optional[int] = None, max_cache_length: Optional[int] = None,
-                 prefill_chunk: int = 2048, prefill_attention_bytes: int = 1 << 30,
+                 prefill_chunk: int = 512, prefill_attention_bytes: int = 1 << 30,
                  min_cache_length: int = 128, min_extend_length: int = 16):
         self.config = model.config
         self.tokenizer = tokenizer
