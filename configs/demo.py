@@ -10,7 +10,8 @@ def get_config(arg=None):
     c = ConfigDict()
     c.workdir = "runs/demo"
     c.seed = 0
-    c.model = ConfigDict(dict(source="smollm2-135m-instruct", compute_dtype="bfloat16"))
+    # float32 is the faster decode path on CPU (XLA:CPU bf16 under scan is slow); bfloat16 on TPU/GPU.
+    c.model = ConfigDict(dict(source="smollm2-135m-instruct", compute_dtype="float32"))
     # name: arithmetic (built in) | gsm8k | hotpotqa | toolworld
     c.task = ConfigDict(dict(name="arithmetic", path="", split="test", num_tasks=16, offset=0, world_seed=0,
                              failure_rate=0.0, corpus_path="", search_top_k=1))

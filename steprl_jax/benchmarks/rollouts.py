@@ -73,7 +73,7 @@ def main(argv=None):
     parser.add_argument("--tool-latency", type=float, default=0.2)
     parser.add_argument("--max-steps", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--compute-dtype", default="bfloat16")
+    parser.add_argument("--compute-dtype", default="float32")
     parser.add_argument("--json", default="")
     args = parser.parse_args(argv)
 
