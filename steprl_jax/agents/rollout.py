@@ -100,9 +100,10 @@ class RolloutEngine:
     def prompt(self, task: Task) -> tuple[str, list[int]]:
         from steprl_jax.models import chat
 
-        messages, tools = self.env.messages(task), self.env.tool_schemas(task)
-        text = chat.apply_chat(self.tokenizer, messages, tools=tools, tokenize=False)
-        return text, chat.apply_chat(self.tokenizer, messages, tools=tools)
+        text = chat.apply_chat(self.tokenizer, self.env.messages(task), tools=self.env.tool_schemas(task),
+                               tokenize=False)
+        # The template wrote every special token it wants (as apply_chat's own tokenize path does).
+        return text, self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     # ------------------------------------------------------------ trajectories
     def run(self, episodes: Sequence[tuple[str, Task]]) -> Iterator[Trajectory]:
@@ -252,6 +253,7 @@ class RolloutEngine:
         records = [TreeRecord(tree_id, task.id, task.question, text, ids, reference_answer=task.reference,
                               metadata=dict(task.metadata))
                    for (tree_id, task), (text, ids) in zip(trees, prompts)]
+        record_of = {record.query_id: record for record in records}
         branches = [_Branch(task, i, [], [], len(ids)) for i, ((_, task), (_, ids)) in enumerate(zip(trees, prompts))]
         finished: list[_Branch] = []
         depth = 0
@@ -272,31 +274,25 @@ class RolloutEngine:
             if schedule == "resample" and depth > 1:
                 candidates, state = self._resample(state, candidates, trees, finished, n, rng)
             for cand in candidates:
-                record = records[self._tree_index(trees, cand.task)]
+                record = record_of[cand.task.id]
                 parent_node = cand.node_ids[-1] if cand.node_ids else -1
                 record.nodes.append(TreeNode(parent=parent_node, step=cand.steps[-1], depth=len(cand.steps)))
                 cand.node_ids.append(len(record.nodes) - 1)
+                if cand.done:  # settled by `_act`: this node is a leaf
+                    record.leaf_terminations[str(cand.node_ids[-1])] = cand.termination
+                    record.leaf_answers[str(cand.node_ids[-1])] = cand.final_answer
             state = self._append_observations(state, candidates)
             finished += [c for c in candidates if c.done]
             branches = [c for c in candidates if not c.done]
-            for c in finished:
-                if c.node_ids and str(c.node_ids[-1]) not in records[self._tree_index(trees, c.task)].leaf_terminations:
-                    record = records[self._tree_index(trees, c.task)]
-                    record.leaf_terminations[str(c.node_ids[-1])] = c.termination
-                    record.leaf_answers[str(c.node_ids[-1])] = c.final_answer
         for (_, task) in trees:
             self.env.release(task)
         return [_prune_dead_ends(r) for r in records]
-
-    @staticmethod
-    def _tree_index(trees, task) -> int:
-        return next(i for i, (_, t) in enumerate(trees) if t.id == task.id)
 
     def _tree_copies(self, branches, finished, trees, n, f, depth, fork_depths, schedule) -> dict:
         """Static: fork every open branch f ways at the configured depths while the tree stays within n
         leaves. Resample, first step: n copies of the prompt."""
         copies = {}
-        for tree_index, (_, task) in enumerate(trees):
+        for _, task in trees:
             mine = [b for b in branches if b.task.id == task.id]
             done = sum(1 for b in finished if b.task.id == task.id)
             if schedule == "resample":
