@@ -260,7 +260,7 @@ def test_sharded_parameters_and_batch(model, sampler):
     key = jax.random.PRNGKey(5)
     state, gens = s.generate(s.prefill(PROMPTS), key, max_new_tokens=10, params=params)
     assert state.batch_bucket % 4 == 0
-    assert state.cache.k.sharding.spec[1] == ("data", "fsdp")
+    assert state.cache.k[0].sharding.spec[0] == ("data", "fsdp")
     state = s.append(state, [[1, 2], [3], []])
     state = s.fork(state, [2, 0])
     state, more = s.generate(state, key, max_new_tokens=5, params=params)
@@ -284,7 +284,7 @@ def test_bf16_recorded_logprobs_equal_the_trainers_recomputation():
     prompt = [1, 2, 3, 4]
     state, (g,) = s.generate(s.prefill([prompt]), jax.random.PRNGKey(0), max_new_tokens=10,
                              params=SamplingParams(temperature=0.8))
-    assert state.cache.k.dtype == jnp.bfloat16
+    assert state.cache.k[0].dtype == jnp.bfloat16
     seq = prompt + g.tokens.tolist()
     hidden = model.hidden_states(jnp.asarray([seq]))
     logp = token_logprobs(hidden, model.unembedding(), jnp.asarray([seq[1:] + [0]]), temperature=0.8,

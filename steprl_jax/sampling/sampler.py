@@ -41,7 +41,8 @@ the unembedding) are cast to bf16 once when the sampler takes the parameters, no
 norms, biases and the embedding lookup stay float32. The model casts matmul operands to bf16
 anyway, so this changes no value — the sampler's numbers match the trainer's.
 
-Memory. The cache is allocated for the bucketed length, in the compute dtype:
+Memory. The cache is allocated for the bucketed length, in the compute dtype, one [B, K, S, H]
+buffer per layer for keys and one for values:
     2 (k, v) x L x B x S x K x H x bytes(compute dtype) + 4 B x S (slot positions)
 e.g. SmolLM2-135M (L=30, K=3, H=64) in bf16: 23 KiB per token, so a batch of 32 rows with
 S = 2,048 slots costs 1.5 GB (float32: twice that). A decode step additionally holds
@@ -113,9 +114,9 @@ class SamplerState:
 
 
 # ----------------------------------------------------------------------------- jitted kernels
-def _extend_impl(graphdef, constrain, params, cache, ids_bt, pos_bt, *, program: ExtendProgram):
+def _extend_impl(graphdef, constrain, params, layer_params, cache, ids_bt, pos_bt, *, program: ExtendProgram):
     model = nnx.merge(graphdef, params)
-    _, cache = model.extend(ids_bt, pos_bt, cache)
+    _, cache = model.extend(ids_bt, pos_bt, cache, layer_params)
     return constrain(cache)
 
 
@@ -125,10 +126,10 @@ def _take_rows_impl(constrain, rows, cache, last_token):
 
 
 def _resize_impl(constrain, new_length: int, cache):
-    pad = new_length - cache.length
-    widths = ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0))
-    return constrain(KVCache(jnp.pad(cache.k, widths), jnp.pad(cache.v, widths),
-                             jnp.pad(cache.slot_pos, ((0, 0), (0, pad)), constant_values=-1), cache.index))
+    widths = ((0, 0), (0, 0), (0, new_length - cache.length), (0, 0))
+    return constrain(KVCache(tuple(jnp.pad(k, widths) for k in cache.k), tuple(jnp.pad(v, widths) for v in cache.v),
+                             jnp.pad(cache.slot_pos, ((0, 0), (0, new_length - cache.length)), constant_values=-1),
+                             cache.index))
 
 
 def _compact_impl(constrain, new_length: int, cache):
@@ -144,8 +145,8 @@ def _compact_impl(constrain, new_length: int, cache):
     src_bs = src_bs.at[b_idx, target_bs].set(jnp.arange(cache.length, dtype=jnp.int32)[None], mode="drop")
     valid_bs = src_bs < cache.length
     src_bs = jnp.minimum(src_bs, cache.length - 1)
-    k = jnp.take_along_axis(cache.k, src_bs[None, :, :, None, None], axis=2)
-    v = jnp.take_along_axis(cache.v, src_bs[None, :, :, None, None], axis=2)
+    k = tuple(jnp.take_along_axis(x, src_bs[:, None, :, None], axis=2) for x in cache.k)
+    v = tuple(jnp.take_along_axis(x, src_bs[:, None, :, None], axis=2) for x in cache.v)
     slot_pos = jnp.where(valid_bs, jnp.take_along_axis(cache.slot_pos, src_bs, axis=1), -1)
     return constrain(KVCache(k, v, slot_pos, n_max.astype(jnp.int32)))
 
@@ -166,7 +167,7 @@ def _filter_logits(program: DecodeProgram, z_bv, top_p):
     return z_bc, ids_bc
 
 
-def _decode_impl(graphdef, constrain, params, unembed_vd, cache, last_b, length_b, max_new_b, keys_b,
+def _decode_impl(graphdef, constrain, params, layer_params, unembed_vd, cache, last_b, length_b, max_new_b, keys_b,
                  temperature, top_p, stop_table, *, program: DecodeProgram):
     model = nnx.merge(graphdef, params)
     config = model.config
@@ -188,7 +189,7 @@ def _decode_impl(graphdef, constrain, params, unembed_vd, cache, last_b, length_
     def body(c):
         active_b = ~c["done"]
         pos_b = jnp.where(active_b, c["length"] - 1, -1)
-        hidden_b1d, new_cache = model.extend(c["tok"][:, None], pos_b[:, None], c["cache"])
+        hidden_b1d, new_cache = model.extend(c["tok"][:, None], pos_b[:, None], c["cache"], layer_params)
         z_bv = scaled_logits(hidden_b1d[:, 0], unembed_vd, temperature=temperature,
                              final_softcap=config.final_logit_softcap, compute_dtype=compute_dtype)
         if program.greedy:
@@ -283,7 +284,7 @@ class Sampler:
             batch_axes = (axes if len(axes) > 1 else axes[0]) if axes else None
             self._row_sharding = NamedSharding(mesh, PartitionSpec(batch_axes))
             self._row2_sharding = NamedSharding(mesh, PartitionSpec(batch_axes, None))
-            self._kv_sharding = NamedSharding(mesh, PartitionSpec(None, batch_axes, None, None, None))
+            self._kv_sharding = NamedSharding(mesh, PartitionSpec(batch_axes, None, None, None))
             self._scalar_sharding = NamedSharding(mesh, PartitionSpec())
             constrain = self._constrain_cache
         else:
@@ -314,6 +315,11 @@ class Sampler:
             state = jax.tree_util.tree_map_with_path(
                 lambda p, v: v.replace(cast(p, v.get_value())) if isinstance(v, nnx.Variable) else cast(p, v),
                 state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+        # The cached layers run unrolled (see `Transformer.extend`): keep one parameter dict per
+        # layer, and in place of the stacked layer weights keep empty placeholders (no copy twice).
+        self._layer_params = jax.jit(lambda s: nnx.merge(self._graphdef, s).layers.unstacked())(state)
+        state = jax.tree.map(lambda x: x, state)
+        state["layers"] = jax.tree.map(lambda x: jnp.zeros((0,), x.dtype), state["layers"])
         self._params = state
         self._unembed = model.unembedding().astype(dtype)
 
@@ -330,7 +336,8 @@ class Sampler:
 
     def _constrain_cache(self, cache: KVCache) -> KVCache:
         wsc = jax.lax.with_sharding_constraint
-        return KVCache(wsc(cache.k, self._kv_sharding), wsc(cache.v, self._kv_sharding),
+        return KVCache(tuple(wsc(k, self._kv_sharding) for k in cache.k),
+                       tuple(wsc(v, self._kv_sharding) for v in cache.v),
                        wsc(cache.slot_pos, self._row2_sharding), cache.index)
 
     def _put_rows(self, x: np.ndarray):
@@ -504,7 +511,7 @@ class Sampler:
         self._note("decode", program)
         keys = self._row_keys(key, n, B)
         cache, last, out_tok, out_lp, out_ent, n_gen, reason = self._decode_jit(
-            self._params, self._unembed, state.cache, state.last_token, self._put_rows(length_b),
+            self._params, self._layer_params, self._unembed, state.cache, state.last_token, self._put_rows(length_b),
             self._put_rows(max_new_b), keys, jnp.float32(params.temperature), jnp.float32(params.top_p),
             table, program=program)
         out_tok, out_lp, out_ent, n_gen, reason = jax.device_get((out_tok, out_lp, out_ent, n_gen, reason))
@@ -611,7 +618,7 @@ class Sampler:
             pos_c[:, T - chunk:] = pos[:, lo:lo + chunk]
             program = ExtendProgram(B, T, state.cache_length)
             self._note("extend", program)
-            cache = self._extend_jit(self._params, cache, self._put_rows(ids_c), self._put_rows(pos_c),
+            cache = self._extend_jit(self._params, self._layer_params, cache, self._put_rows(ids_c), self._put_rows(pos_c),
                                      program=program)
             index += T
             lo += chunk
