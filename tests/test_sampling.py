@@ -113,6 +113,27 @@ def test_fork_branches_equal_independent_runs_with_the_same_keys(model, sampler)
     assert len({tuple(b.tokens) for b in branches}) > 1  # the branches' streams differ
 
 
+def test_shared_prompt_prefix_is_prefilled_once_with_the_same_results(model):
+    rng = np.random.default_rng(3)
+    header = list(rng.integers(3, 200, size=40))  # e.g. a system prompt and few-shot examples
+    prompts = [header + list(rng.integers(3, 200, size=n)) for n in (5, 0, 17, 9)]
+    shared, separate = Sampler(model, min_shared_prefix=32), Sampler(model, min_shared_prefix=0)
+    params = SamplingParams(temperature=1.0)
+    runs = []
+    for s in (shared, separate):
+        state = s.prefill(prompts)
+        runs.append((state, s.generate(state, jax.random.PRNGKey(5), max_new_tokens=12, params=params)[1]))
+    (state_a, gens_a), (state_b, gens_b) = runs
+    assert state_a.lengths.tolist() == state_b.lengths.tolist() == [len(p) for p in prompts]
+    for a, b, prompt in zip(gens_a, gens_b, prompts):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+        np.testing.assert_allclose(a.logprobs, full_logprobs(model, prompt, a.tokens)[0], atol=1e-4)
+    # The header went through the model once (one row), not once per prompt.
+    assert any(k == "extend" and p.batch == 1 for k, p in shared._programs)
+    assert not any(k == "extend" and p.batch == 1 for k, p in separate._programs)
+
+
 def test_same_key_same_tokens_and_batch_invariance(sampler):
     params = SamplingParams(temperature=1.0, top_p=0.95)
     key = jax.random.PRNGKey(11)

@@ -115,6 +115,7 @@ class RolloutEngine:
         prompts = [self.prompt(task) for _, task in episodes]
         t0 = time.perf_counter()
         state = self.sampler.prefill([ids for _, ids in prompts])
+        jax.block_until_ready(state.cache)  # so that the prefill is timed as prefill
         self.stats.prefill_s += time.perf_counter() - t0
         self.stats.prefill_tokens += sum(len(ids) for _, ids in prompts)
         branches = [_Branch(task, i, [], [], len(ids)) for i, ((_, task), (_, ids)) in enumerate(zip(episodes, prompts))]
@@ -248,6 +249,7 @@ class RolloutEngine:
         prompts = [self.prompt(task) for _, task in trees]
         t0 = time.perf_counter()
         state = self.sampler.prefill([ids for _, ids in prompts])
+        jax.block_until_ready(state.cache)  # so that the prefill is timed as prefill
         self.stats.prefill_s += time.perf_counter() - t0
         self.stats.prefill_tokens += sum(len(ids) for _, ids in prompts)
         records = [TreeRecord(tree_id, task.id, task.question, text, ids, reference_answer=task.reference,

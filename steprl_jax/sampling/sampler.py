@@ -253,12 +253,15 @@ class Sampler:
         logits, B x N x T x S x 4 bytes, stay under this (each chunk attends over all S slots,
         so fewer, longer chunks waste less work on empty slots).
       min_cache_length, min_extend_length: smallest buckets.
+      min_shared_prefix: when all prompts of a `prefill` start with the same tokens (a system
+        prompt, few-shot examples, a group of identical prompts), and at least this many, the
+        shared prefix is computed once and forked to every row; 0 turns this off.
     """
 
     def __init__(self, model: Transformer, tokenizer=None, *, mesh=None, rules: dict = LOGICAL_AXIS_RULES,
                  max_context: Optional[int] = None, max_cache_length: Optional[int] = None,
                  prefill_chunk: int = 512, prefill_attention_bytes: int = 1 << 30,
-                 min_cache_length: int = 128, min_extend_length: int = 16):
+                 min_cache_length: int = 128, min_extend_length: int = 16, min_shared_prefix: int = 32):
         self.config = model.config
         self.tokenizer = tokenizer
         self.mesh = mesh
@@ -271,6 +274,7 @@ class Sampler:
         self.prefill_attention_bytes = int(prefill_attention_bytes)
         self.min_cache_length = int(min_cache_length)
         self.min_extend_length = int(min_extend_length)
+        self.min_shared_prefix = int(min_shared_prefix)
         self.eos_ids = tuple(int(i) for i in self.config.eos_token_ids)
         self._graphdef, _ = nnx.split(model)
         self._token_bytes = None
@@ -401,17 +405,29 @@ class Sampler:
             if p.size > self.max_context:
                 raise ContextOverflowError(
                     f"prefill: prompt {i} has {p.size} tokens, more than the context limit {self.max_context}")
-        n = len(prompts)
-        batch = self._batch_bucket(n)
-        longest = max(p.size for p in prompts)
-        slots = longest - 1
+        slots = max(p.size for p in prompts) - 1
         length = bucket(max(slots, 1, int(cache_length or 0)), self.min_cache_length)
         if length > self.max_cache_length:
             raise ContextOverflowError(
                 f"prefill: the longest prompt needs {slots} cache slots; max_cache_length is {self.max_cache_length}")
+        shared = _common_prefix_length(prompts)
+        if len(prompts) > 1 and self.min_shared_prefix and shared >= self.min_shared_prefix:
+            # Compute the common prefix once (one row), copy its cache to every row, then append
+            # each row's own rest: same values as prefilling every row, a fraction of the work.
+            rest = max(p.size for p in prompts) - shared
+            slots_needed = (sum(self._chunks(shared - 1, self._batch_bucket(1), length)[1])
+                            + sum(self._chunks(rest, self._batch_bucket(len(prompts)), length)[1]))
+            state = self._prefill_rows([prompts[0][:shared]], bucket(max(length, slots_needed), self.min_cache_length))
+            state = self.fork(state, [0] * len(prompts))
+            return self.append(state, [p[shared:] for p in prompts])
+        return self._prefill_rows(prompts, length)
+
+    def _prefill_rows(self, prompts: list, cache_length: int) -> SamplerState:
+        n = len(prompts)
+        batch = self._batch_bucket(n)
         last = np.zeros(batch, np.int32)
         last[:n] = [p[-1] for p in prompts]
-        state = SamplerState(self._empty_cache(batch, length), self._put_rows(last),
+        state = SamplerState(self._empty_cache(batch, cache_length), self._put_rows(last),
                              np.asarray([p.size for p in prompts], np.int64), 0)
         return self._feed(state, [p[:-1] for p in prompts], start_positions=[0] * n)
 
@@ -584,6 +600,13 @@ class Sampler:
                 gen.stop_string, gen.text_after_stop, text = which, text[end:], text[:end]
         gen.text = text
 
+    def _chunks(self, total: int, batch: int, slots: int) -> tuple[list, list]:
+        """How `_feed` cuts `total` new tokens: (chunk sizes, their bucketed widths in slots)."""
+        fits = self.prefill_attention_bytes // (4 * batch * self.config.num_heads * slots)
+        chunk = max(self.min_extend_length, min(self.prefill_chunk, 1 << max(int(fits), 1).bit_length() - 1))
+        sizes = [min(chunk, total - lo) for lo in range(0, total, chunk)]
+        return sizes, [bucket(c, self.min_extend_length) for c in sizes]
+
     def _feed(self, state: SamplerState, feeds: Sequence[np.ndarray], start_positions) -> SamplerState:
         """Write `feeds[b]` (at positions start_positions[b], ...) into the cache, right-aligned
         across rows, in chunks of at most `prefill_chunk` tokens (each bucketed)."""
@@ -591,11 +614,7 @@ class Sampler:
         if total == 0:
             return state
         B = state.batch_bucket
-        slots = max(state.cache_length, bucket(state.index + total, self.min_cache_length))
-        fits = self.prefill_attention_bytes // (4 * B * self.config.num_heads * slots)
-        chunk = max(self.min_extend_length, min(self.prefill_chunk, 1 << max(int(fits), 1).bit_length() - 1))
-        sizes = [min(chunk, total - lo) for lo in range(0, total, chunk)]
-        widths = [bucket(c, self.min_extend_length) for c in sizes]
+        sizes, widths = self._chunks(total, B, max(state.cache_length, bucket(state.index + total, self.min_cache_length)))
         state, available = self._ensure_capacity(state, sum(widths))
         if available < sum(widths):  # at the cache cap: no bucket padding
             state, available = self._ensure_capacity(state, total)
@@ -627,3 +646,12 @@ class Sampler:
 
 def _identity(x):
     return x
+
+
+def _common_prefix_length(prompts: Sequence[np.ndarray]) -> int:
+    """Length of the longest token prefix shared by all prompts."""
+    shortest = min(p.size for p in prompts)
+    same = np.ones(shortest, bool)
+    for p in prompts[1:]:
+        same &= p[:shortest] == prompts[0][:shortest]
+    return int(shortest if same.all() else np.argmin(same))
