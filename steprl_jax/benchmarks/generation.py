@@ -12,7 +12,7 @@ and of 1 / all torch threads, chosen per batch size by a short probe (printed).
 
 Also measured: continuing a 1,500-token state by 50 tool tokens (`Sampler.append`) vs
 re-prefilling the 1,550 tokens; an 8-leaf fork of a 1,000-token prefix (one prefill + `fork`) vs
-8 independent prefills (one batched prefill of 8 rows). For those two cases the reference column
+8 independent prefills (one batched prefill of 8 rows, prefix sharing off). For those two cases the reference column
 is the naive strategy with our own model; `ratio` is always reference time / our time.
 
 The roofline is an estimate for this machine from a measured matmul rate (1024^3, in our compute
@@ -234,8 +234,10 @@ def main(argv=None):
     def fork8(_):
         return sampler.fork(sampler.prefill([prefix], cache_length=1024), [0] * 8)
 
+    independent = Sampler(model, tokenizer, min_shared_prefix=0)  # would otherwise share the prefix itself
+
     def prefill8(_):
-        return sampler.prefill([prefix] * 8, cache_length=1024)
+        return independent.prefill([prefix] * 8, cache_length=1024)
 
     for _ in range(2):
         timed(fork8)

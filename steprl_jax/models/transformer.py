@@ -339,9 +339,16 @@ def _decoder_layer(c: ModelConfig, dtype, p: dict, x, cos, sin, bias_bts, cached
         k_buf, v_buf, index = cached
         k_buf = jax.lax.dynamic_update_slice(k_buf, k.transpose(0, 2, 1, 3).astype(k_buf.dtype), (0, 0, index, 0))
         v_buf = jax.lax.dynamic_update_slice(v_buf, v.transpose(0, 2, 1, 3).astype(v_buf.dtype), (0, 0, index, 0))
+        # One materialised (in place) update per buffer: without the barrier XLA:CPU fuses the
+        # update into each of its readers and must then copy the buffer for each of them.
+        k_buf, v_buf = jax.lax.optimization_barrier((k_buf, v_buf))
         kv = (k_buf, v_buf)
         attn = _attention(c, dtype, q, k_buf, v_buf, bias_bts)
-    out = _mm("btnh,nhd->btd", attn, p["o"], dtype)
+    # A plain [B*T, N*H] x [N*H, D] matmul on the row-major weight (a free reshape): with an
+    # einsum over (n, h), XLA:CPU chose to transpose the weight instead, a copy at every step.
+    B, T, N, H = q.shape
+    attn = attn.transpose(0, 2, 1, 3, 4).reshape(B * T, N * H)
+    out = _mm("bm,md->bd", attn, p["o"].reshape(N * H, -1), dtype).reshape(B, T, -1)
     if c.sandwich_norms:
         out = _rms_norm(out, p["attn_out_norm"], eps, plus_one)
     x = x + out
@@ -362,6 +369,7 @@ def _attention(c: ModelConfig, dtype, q_btnh, k_bksh, v_bksh, bias_bts):
     Queries are laid out [B, K, T*G, H] (the G query heads of a kv head and the T positions
     merged into one axis), so each product is a plain batched matmul over (B, K): on XLA:CPU
     this is 2-3x faster than a 5-d einsum with separate T and G axes.
+    Returns [B, K, T, G, H] (query head n = k * G + g).
     """
     B, T, N, H = q_btnh.shape
     K = k_bksh.shape[1]
@@ -373,4 +381,4 @@ def _attention(c: ModelConfig, dtype, q_btnh, k_bksh, v_bksh, bias_bts):
     logits = logits + bias_bts[:, None, :, None, :]
     probs = jax.nn.softmax(logits, axis=-1).reshape(B, K, T * G, -1)
     out = _mm("bkms,bksh->bkmh", probs, v_bksh, dtype)
-    return out.reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4).reshape(B, T, N, H)
+    return out.reshape(B, K, T, G, H)

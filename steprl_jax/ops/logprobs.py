@@ -79,6 +79,15 @@ def _chunk_stats(hidden_bcd, targets_bc, unembed_vd, temperature, final_softcap,
                  with_entropy):
     z_bcv = scaled_logits(hidden_bcd, unembed_vd, temperature=temperature,
                           final_softcap=final_softcap, compute_dtype=compute_dtype)
+    return stats_from_scaled_logits(z_bcv, targets_bc, with_entropy)
+
+
+def stats_from_scaled_logits(z_bcv, targets_bc, with_entropy: bool = False):
+    """(log-probs, entropies or zeros) of `targets_bc` from `scaled_logits` output [..., V].
+
+    The second half of `token_logprobs`, for a caller that already holds the logits (the
+    sampler's decode step, which also samples from them).
+    """
     lse_bc = jax.nn.logsumexp(z_bcv, axis=-1)
     z_target_bc = jnp.take_along_axis(z_bcv, targets_bc[..., None], axis=-1)[..., 0]
     logp_bc = z_target_bc - lse_bc

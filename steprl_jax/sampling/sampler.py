@@ -32,9 +32,11 @@ depend on its key and its own context only — not on the batch size, padding, o
 So f forked rows given the keys k_1..k_f produce what f separate runs from the same prefix
 with those keys produce.
 
-Log-probs. Recorded with `steprl_jax.ops.logprobs.token_logprobs` on the decode step's hidden
-state: log_softmax(softcap(h @ W.T) / temperature) in float32, the untruncated tempered
-distribution (see `SamplingParams`), exactly the trainer's definition.
+Log-probs. Recorded with `steprl_jax.ops.logprobs` (`scaled_logits`, then
+`stats_from_scaled_logits`, the two halves of the trainer's `token_logprobs`) on the decode
+step's hidden state: log_softmax(softcap(h @ W.T) / temperature) in float32, the untruncated
+tempered distribution (see `SamplingParams`), exactly the trainer's definition; the logits
+are computed once per step for both sampling and the log-prob.
 
 Precision. With `compute_dtype="bfloat16"`, the matmul weights (q, k, v, o, gate, up, down,
 the unembedding) are cast to bf16 once when the sampler takes the parameters, not per step;
@@ -67,7 +69,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from steprl_jax.models.sharding import LOGICAL_AXIS_RULES
 from steprl_jax.models.transformer import KVCache, Transformer
-from steprl_jax.ops.logprobs import scaled_logits, token_logprobs
+from steprl_jax.ops.logprobs import scaled_logits, stats_from_scaled_logits
 from steprl_jax.sampling import stop as stop_lib
 from steprl_jax.sampling.params import (
     CONTEXT, EOS, FINISH_REASONS, LENGTH, RUNNING, STOP, DecodeProgram, ExtendProgram, Generation,
@@ -199,10 +201,7 @@ def _decode_impl(graphdef, constrain, params, layer_params, unembed_vd, cache, l
             z_bc, ids_bc = _filter_logits(program, z_bv, top_p)
             choice_b = jax.vmap(jax.random.categorical)(step_keys, z_bc).astype(jnp.int32)
             new_b = choice_b if ids_bc is None else jnp.take_along_axis(ids_bc, choice_b[:, None], 1)[:, 0]
-        stats = token_logprobs(hidden_b1d, unembed_vd, new_b[:, None], temperature=temperature,
-                               final_softcap=config.final_logit_softcap, chunk_size=1,
-                               with_entropy=program.with_entropy, compute_dtype=compute_dtype)
-        lp_b, ent_b = (stats[0][:, 0], stats[1][:, 0]) if program.with_entropy else (stats[:, 0], None)
+        lp_b, ent_b = stats_from_scaled_logits(z_bv, new_b, program.with_entropy)
         rows = jnp.arange(B)
         col_b = jnp.where(active_b, c["n"], M)  # finished rows write out of bounds: dropped
         out = dict(out_tok=c["out_tok"].at[rows, col_b].set(new_b, mode="drop"),
