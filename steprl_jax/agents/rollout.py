@@ -111,13 +111,17 @@ class RolloutEngine:
         for start in range(0, len(episodes), self.config.batch_size):
             yield from self._run_batch(episodes[start:start + self.config.batch_size])
 
-    def _run_batch(self, episodes) -> list[Trajectory]:
-        prompts = [self.prompt(task) for _, task in episodes]
+    def _prefill(self, prompt_ids: list):
         t0 = time.perf_counter()
-        state = self.sampler.prefill([ids for _, ids in prompts])
+        state = self.sampler.prefill(prompt_ids)
         jax.block_until_ready(state.cache)  # so that the prefill is timed as prefill
         self.stats.prefill_s += time.perf_counter() - t0
-        self.stats.prefill_tokens += sum(len(ids) for _, ids in prompts)
+        self.stats.prefill_tokens += sum(len(ids) for ids in prompt_ids)
+        return state
+
+    def _run_batch(self, episodes) -> list[Trajectory]:
+        prompts = [self.prompt(task) for _, task in episodes]
+        state = self._prefill([ids for _, ids in prompts])
         branches = [_Branch(task, i, [], [], len(ids)) for i, ((_, task), (_, ids)) in enumerate(zip(episodes, prompts))]
         self._drive(state, branches)
         out = []
@@ -247,11 +251,7 @@ class RolloutEngine:
 
     def _run_tree_batch(self, trees, n, f, schedule, fork_depths, rng) -> list[TreeRecord]:
         prompts = [self.prompt(task) for _, task in trees]
-        t0 = time.perf_counter()
-        state = self.sampler.prefill([ids for _, ids in prompts])
-        jax.block_until_ready(state.cache)  # so that the prefill is timed as prefill
-        self.stats.prefill_s += time.perf_counter() - t0
-        self.stats.prefill_tokens += sum(len(ids) for _, ids in prompts)
+        state = self._prefill([ids for _, ids in prompts])
         records = [TreeRecord(tree_id, task.id, task.question, text, ids, reference_answer=task.reference,
                               metadata=dict(task.metadata))
                    for (tree_id, task), (text, ids) in zip(trees, prompts)]
