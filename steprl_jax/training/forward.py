@@ -7,6 +7,8 @@ tokens it samples, so on the first update after sampling the ratio is exactly 1.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import jax.numpy as jnp
 
 from steprl_jax.ops.logprobs import DEFAULT_CHUNK_SIZE, token_logprobs
@@ -17,10 +19,12 @@ def _shift_right(x_bt):
 
 
 def sequence_logprobs(model, tokens_bt, *, attention_mask_bt=None, temperature=1.0,
-                      chunk_size: int = DEFAULT_CHUNK_SIZE, with_entropy: bool = False):
-    """Per-token log-probs [B, L] (and entropies of the predicting distribution) of `tokens_bt`."""
+                      chunk_size: int = DEFAULT_CHUNK_SIZE, with_entropy: bool = False,
+                      remat: Optional[str] = None):
+    """Per-token log-probs [B, L] (and entropies of the predicting distribution) of `tokens_bt`;
+    `remat`: the layers' rematerialisation policy (see `Transformer.hidden_states`)."""
     cfg = model.config
-    hidden_btd = model.hidden_states(tokens_bt, attention_mask_bt=attention_mask_bt)
+    hidden_btd = model.hidden_states(tokens_bt, attention_mask_bt=attention_mask_bt, remat=remat)
     next_bt = jnp.roll(tokens_bt, -1, axis=1)  # position t predicts token t + 1
     dtype = None if cfg.compute_dtype == "float32" else jnp.dtype(cfg.compute_dtype)
     out = token_logprobs(hidden_btd, model.unembedding(), next_bt, temperature=temperature,
