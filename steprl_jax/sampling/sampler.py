@@ -613,7 +613,8 @@ class Sampler:
         if total == 0:
             return state
         B = state.batch_bucket
-        sizes, widths = self._chunks(total, B, max(state.cache_length, bucket(state.index + total, self.min_cache_length)))
+        slots = max(state.cache_length, bucket(state.index + total, self.min_cache_length))
+        sizes, widths = self._chunks(total, B, slots)
         state, available = self._ensure_capacity(state, sum(widths))
         if available < sum(widths):  # at the cache cap: no bucket padding
             state, available = self._ensure_capacity(state, total)
@@ -636,8 +637,8 @@ class Sampler:
             pos_c[:, T - chunk:] = pos[:, lo:lo + chunk]
             program = ExtendProgram(B, T, state.cache_length)
             self._note("extend", program)
-            cache = self._extend_jit(self._params, self._layer_params, cache, self._put_rows(ids_c), self._put_rows(pos_c),
-                                     program=program)
+            cache = self._extend_jit(self._params, self._layer_params, cache, self._put_rows(ids_c),
+                                     self._put_rows(pos_c), program=program)
             index += T
             lo += chunk
         return dataclasses.replace(state, cache=cache, index=index)
