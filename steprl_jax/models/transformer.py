@@ -16,7 +16,6 @@ heads, K kv heads, G = N // K, H head dim, F mlp width, V vocab, L layers.
 """
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple, Optional
 
 import jax
@@ -392,57 +391,10 @@ def _attention(c: ModelConfig, dtype, q_btnh, k_bksh, v_bksh, bias_bts):
     K = k_bksh.shape[1]
     G = N // K
     q_bkmh = (q_btnh * c.attn_scale).reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, H)
-    out = _attention_core(jnp.dtype(dtype), c.attn_logit_softcap, G, q_bkmh, k_bksh, v_bksh, bias_bts)
-    return out.reshape(B, K, T, G, H)
-
-
-def _attention_probs(dtype, cap, groups, q_bkmh, k_bksh, bias_bts):
-    """(raw logits, float32 probabilities) [B, K, M, S] of the merged-query layout."""
-    B, K, M, _ = q_bkmh.shape
-    raw = jnp.einsum("bkmh,bksh->bkms", q_bkmh.astype(dtype), k_bksh.astype(dtype),
-                     preferred_element_type=jnp.float32)
-    logits = softcap(raw, cap).reshape(B, K, M // groups, groups, -1)
+    logits = _mm("bkmh,bksh->bkms", q_bkmh, k_bksh, dtype)
+    logits = softcap(logits, c.attn_logit_softcap).reshape(B, K, T, G, -1)
     # + _MASKED is exactly _MASKED in float32 (|logits| is far below its ulp), as a `where` gives.
     logits = logits + bias_bts[:, None, :, None, :]
-    return raw, jax.nn.softmax(logits, axis=-1).reshape(B, K, M, -1)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _attention_core(dtype, cap, groups, q_bkmh, k_bksh, v_bksh, bias_bts):
-    """softmax(softcap(q k^T) + bias) v with `dtype` matmul operands and float32 accumulation.
-
-    A custom VJP because the automatic one took 7x the forward's time on XLA:CPU (SmolLM2
-    shapes, 2 x 512 tokens: 47 ms per layer, now 25): its softmax backward materialised a
-    broadcast [B, K, M, S] array, and it upcast bf16 copies of P and dS for the products that
-    contract over the query axis. Here the backward is the textbook one,
-    dS = P * (dP - rowsum(dO * O)), with those two products fed float32 directly.
-    """
-    return _attention_core_fwd(dtype, cap, groups, q_bkmh, k_bksh, v_bksh, bias_bts)[0]
-
-
-def _attention_core_fwd(dtype, cap, groups, q_bkmh, k_bksh, v_bksh, bias_bts):
-    raw, probs = _attention_probs(dtype, cap, groups, q_bkmh, k_bksh, bias_bts)
-    out = jnp.einsum("bkms,bksh->bkmh", probs.astype(dtype), v_bksh.astype(dtype),
-                     preferred_element_type=jnp.float32)
-    return out, (q_bkmh, k_bksh, v_bksh, bias_bts, raw if cap else None, probs, out)
-
-
-def _attention_core_bwd(dtype, cap, groups, res, d_out):
-    q, k, v, bias, raw, probs, out = res
-    d_out_c = d_out.astype(dtype)
-    d_probs = jnp.einsum("bkmh,bksh->bkms", d_out_c, v.astype(dtype), preferred_element_type=jnp.float32)
-    d_logits = probs * (d_probs - jnp.sum(d_out * out, axis=-1, keepdims=True))
-    if cap:
-        d_logits = d_logits * (1.0 - jnp.square(jnp.tanh(raw / cap)))
-    d_logits_c = d_logits.astype(dtype)
-    dq = jnp.einsum("bkms,bksh->bkmh", d_logits_c, k.astype(dtype), preferred_element_type=jnp.float32)
-    # Contracting over the query axis: XLA:CPU runs these as float32 matmuls whatever the
-    # operand dtype (and upcasting a bf16 copy cost more than the products), so there they are
-    # fed float32; accelerators get `dtype` operands.
-    t_dtype = jnp.float32 if jax.default_backend() == "cpu" else dtype
-    dk = jnp.einsum("bkms,bkmh->bksh", d_logits.astype(t_dtype), q.astype(t_dtype), preferred_element_type=jnp.float32)
-    dv = jnp.einsum("bkms,bkmh->bksh", probs.astype(t_dtype), d_out.astype(t_dtype), preferred_element_type=jnp.float32)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), jnp.zeros_like(bias)
-
-
-_attention_core.defvjp(_attention_core_fwd, _attention_core_bwd)
+    probs = jax.nn.softmax(logits, axis=-1).reshape(B, K, T * G, -1)
+    out = _mm("bkms,bksh->bkmh", probs, v_bksh, dtype)
+    return out.reshape(B, K, T, G, H)
