@@ -355,9 +355,6 @@ def _decoder_layer(c: ModelConfig, dtype, p: dict, x, cos, sin, bias_bts, cached
         k_buf, v_buf, index = cached
         k_buf = jax.lax.dynamic_update_slice(k_buf, k.transpose(0, 2, 1, 3).astype(k_buf.dtype), (0, 0, index, 0))
         v_buf = jax.lax.dynamic_update_slice(v_buf, v.transpose(0, 2, 1, 3).astype(v_buf.dtype), (0, 0, index, 0))
-        # One materialised (in place) update per buffer: without the barrier XLA:CPU fuses the
-        # update into each of its readers and must then copy the buffer for each of them.
-        k_buf, v_buf = jax.lax.optimization_barrier((k_buf, v_buf))
         kv = (k_buf, v_buf)
         attn = _attention(c, dtype, q, k_buf, v_buf, bias_bts)
     # A plain [B*T, N*H] x [N*H, D] matmul on the row-major weight (a free reshape): with an

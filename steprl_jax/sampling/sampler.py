@@ -128,10 +128,10 @@ def _take_rows_impl(constrain, rows, cache, last_token):
 
 
 def _resize_impl(constrain, new_length: int, cache):
-    widths = ((0, 0), (0, 0), (0, new_length - cache.length), (0, 0))
+    pad = new_length - cache.length
+    widths = ((0, 0), (0, 0), (0, pad), (0, 0))
     return constrain(KVCache(tuple(jnp.pad(k, widths) for k in cache.k), tuple(jnp.pad(v, widths) for v in cache.v),
-                             jnp.pad(cache.slot_pos, ((0, 0), (0, new_length - cache.length)), constant_values=-1),
-                             cache.index))
+                             jnp.pad(cache.slot_pos, ((0, 0), (0, pad)), constant_values=-1), cache.index))
 
 
 def _compact_impl(constrain, new_length: int, cache):
@@ -300,6 +300,7 @@ class Sampler:
         self._take_rows_jit = jax.jit(functools.partial(_take_rows_impl, constrain))
         self._resize_jit = jax.jit(functools.partial(_resize_impl, constrain), static_argnums=0)
         self._compact_jit = jax.jit(functools.partial(_compact_impl, constrain), static_argnums=0)
+        self._unstack_jit = jax.jit(lambda state: nnx.merge(self._graphdef, state).layers.unstacked())
         self.set_params(model)
 
     # ------------------------------------------------------------------ parameters
@@ -320,7 +321,7 @@ class Sampler:
                 state, is_leaf=lambda v: isinstance(v, nnx.Variable))
         # The cached layers run unrolled (see `Transformer.extend`): keep one parameter dict per
         # layer, and in place of the stacked layer weights keep empty placeholders (no copy twice).
-        self._layer_params = jax.jit(lambda s: nnx.merge(self._graphdef, s).layers.unstacked())(state)
+        self._layer_params = self._unstack_jit(state)  # one compiled program for every update
         state = jax.tree.map(lambda x: x, state)
         state["layers"] = jax.tree.map(lambda x: jnp.zeros((0,), x.dtype), state["layers"])
         self._params = state
