@@ -134,6 +134,17 @@ def test_shared_prompt_prefix_is_prefilled_once_with_the_same_results(model):
     assert not any(k == "extend" and p.batch == 1 for k, p in separate._programs)
 
 
+def test_shared_prefix_prefill_respects_the_cache_cap(model, sampler):
+    header = list(range(3, 43))
+    prompts = [header + list(range(50, 50 + n)) for n in (5, 17)]
+    capped = Sampler(model, min_cache_length=16, max_cache_length=64, min_extend_length=4, min_shared_prefix=8)
+    state = capped.prefill(prompts)
+    assert state.cache_length <= 64
+    _, gens = capped.generate(state, jax.random.PRNGKey(0), max_new_tokens=4, params=GREEDY)
+    _, ref = sampler.generate(sampler.prefill(prompts), jax.random.PRNGKey(0), max_new_tokens=4, params=GREEDY)
+    assert [g.tokens.tolist() for g in gens] == [g.tokens.tolist() for g in ref]
+
+
 def test_same_key_same_tokens_and_batch_invariance(sampler):
     params = SamplingParams(temperature=1.0, top_p=0.95)
     key = jax.random.PRNGKey(11)

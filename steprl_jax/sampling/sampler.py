@@ -417,7 +417,8 @@ class Sampler:
             rest = max(p.size for p in prompts) - shared
             slots_needed = (sum(self._chunks(shared - 1, self._batch_bucket(1), length)[1])
                             + sum(self._chunks(rest, self._batch_bucket(len(prompts)), length)[1]))
-            state = self._prefill_rows([prompts[0][:shared]], bucket(max(length, slots_needed), self.min_cache_length))
+            reserve = min(bucket(max(length, slots_needed), self.min_cache_length), self.max_cache_length)
+            state = self._prefill_rows([prompts[0][:shared]], reserve)  # `append` compacts if needed
             state = self.fork(state, [0] * len(prompts))
             return self.append(state, [p[shared:] for p in prompts])
         return self._prefill_rows(prompts, length)
