@@ -136,7 +136,7 @@ def test_shared_prompt_prefix_is_prefilled_once_with_the_same_results(model):
 
 def test_shared_prefix_prefill_respects_the_cache_cap(model, sampler):
     header = list(range(3, 43))
-    prompts = [header + list(range(50, 50 + n)) for n in (5, 17)]
+    prompts = [header + list(range(start, start + n)) for start, n in ((50, 5), (100, 20))]
     capped = Sampler(model, min_cache_length=16, max_cache_length=64, min_extend_length=4, min_shared_prefix=8)
     state = capped.prefill(prompts)
     assert state.cache_length <= 64

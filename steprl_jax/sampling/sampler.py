@@ -460,8 +460,10 @@ class Sampler:
                 feeds.append(t)
         starts = [int(state.lengths[i]) - 1 for i in range(state.num_rows)]
         lengths = state.lengths + np.asarray([t.size for t in lists])
-        state = dataclasses.replace(state, last_token=self._put_rows(new_last), lengths=lengths)
-        return self._feed(state, feeds, start_positions=starts)
+        # Lengths change after the feed: a compaction inside it counts the slots already filled.
+        state = self._feed(dataclasses.replace(state, last_token=self._put_rows(new_last)), feeds,
+                           start_positions=starts)
+        return dataclasses.replace(state, lengths=lengths)
 
     def fork(self, state: SamplerState, rows: Sequence[int]) -> SamplerState:
         """A state whose row j is a copy of `state` row `rows[j]` (repeats fork; omissions drop).
