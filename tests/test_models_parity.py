@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from models_hf_tiny import HF_CONFIGS, hf_logits, save_hf_model
-from steprl_jax.models import load_pretrained
+from steprl_jax.models import load_pretrained, transformer
 
 FAMILIES = sorted(HF_CONFIGS)
 
@@ -25,6 +25,17 @@ def test_family_detected(pair):
 def test_logits_match_left_padded_batch(pair):
     """One [3, 20] batch: row 0 is unpadded and longer than any sliding window; rows 1 and 2
     are left-padded (13 and 6 real tokens) with real vocabulary ids under a zero mask."""
+    _check_left_padded_batch(pair)
+
+
+def test_logits_match_with_causal_query_blocks(pair, monkeypatch):
+    """The full-sequence attention computed in query blocks of 8 (3 blocks, the last one
+    partial), each over the keys up to its end only: the same logits as Hugging Face."""
+    monkeypatch.setattr(transformer, "CAUSAL_QUERY_BLOCK", 8)
+    _check_left_padded_batch(pair)
+
+
+def _check_left_padded_batch(pair):
     _, hf, ours = pair
     T = 20
     if ours.config.sliding_window:

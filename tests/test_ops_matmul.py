@@ -9,6 +9,10 @@ from steprl_jax.ops.matmul import mixed_einsum
 
 
 @pytest.mark.parametrize("eq,xs,ws", [("nd,vd->nv", (6, 8), (5, 8)),
+                                      ("nd,vd->nv", (7, 8), (5, 8)),  # odd: no split
+                                      ("bm,md->bd", (12, 8), (8, 6)),
+                                      ("bkms,bksh->bkmh", (2, 3, 10, 6), (2, 3, 6, 4)),
+                                      ("bkmh,bksh->bkms", (2, 3, 10, 4), (2, 3, 6, 4)),
                                       ("btd,dnh->btnh", (2, 3, 8), (8, 2, 4)),
                                       ("btnh,nhd->btd", (2, 3, 2, 4), (2, 4, 8))])
 def test_values_and_grads_close_to_f32(eq, xs, ws):
@@ -36,6 +40,26 @@ def test_backward_dots_are_bf16_only():
     assert len(dots) == 3
     for e in dots:
         assert all(v.aval.dtype == jnp.bfloat16 for v in e.invars), e
+
+
+def test_weight_gradient_contracts_two_axes_not_one():
+    """A 2-D projection's weight gradient `x^T g` sums over the rows as two halves: XLA:CPU
+    then makes a bf16 transposed copy for its fast kernel instead of upcasting to float32."""
+    x, w = jnp.ones((8, 4)), jnp.ones((4, 6))
+    jaxpr = jax.make_jaxpr(jax.grad(lambda x, w: jnp.sum(mixed_einsum("bd,df->bf", x, w)),
+                                    (0, 1)))(x, w)
+    weight_grads = [e for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"
+                    and e.outvars[0].aval.shape == (4, 6)]
+    assert len(weight_grads) == 1
+    (lhs_contract, _), _ = weight_grads[0].params["dimension_numbers"]
+    assert len(lhs_contract) == 2
+
+
+def _all_eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from _all_eqns(sub)
 
 
 def test_bad_equations():

@@ -73,8 +73,8 @@ def test_remat_policies_give_the_same_loss_and_gradients():
     batch = jax.tree.map(jnp.asarray, _batch())
     loss_cfg = LossConfig(eps_low=0.2, eps_high=0.28, logprob_chunk=5)
     outs = {remat: jax.jit(make_loss_and_grad(graphdef, TrainStepConfig(loss=loss_cfg, remat=remat)))(
-        params, rest, batch) for remat in (None, "nothing_saveable", "dots_saveable")}
-    for remat in ("nothing_saveable", "dots_saveable"):
+        params, rest, batch) for remat in (None, "nothing_saveable", "dots_saveable", "qkvo_saveable")}
+    for remat in ("nothing_saveable", "dots_saveable", "qkvo_saveable"):
         np.testing.assert_allclose(outs[remat][0], outs[None][0], rtol=1e-6, err_msg=remat)
         for g, g_ref in zip(jax.tree.leaves(outs[remat][1]), jax.tree.leaves(outs[None][1])):
             np.testing.assert_allclose(g, g_ref, rtol=1e-5, atol=1e-7, err_msg=remat)

@@ -67,7 +67,7 @@ def synthetic_batch(batch: int, length: int, vocab: int, seed: int = 0):
     return tokens, mask, adv
 
 
-def bench_jax(batch, length, steps, chunk, microbatches=1, remat="nothing_saveable"):
+def bench_jax(batch, length, steps, chunk, microbatches=1, remat="qkvo_saveable"):
     import jax
     from steprl_jax.models import load_pretrained
     from steprl_jax.training import (LossConfig, OptimizerConfig, TrainStepConfig,
@@ -167,9 +167,9 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--torch-steps", type=int, default=1, help="before and after ours each")
     p.add_argument("--chunk", type=int, default=128)
-    p.add_argument("--microbatches", type=int, default=1,
+    p.add_argument("--microbatches", type=int, default=4,
                    help="gradient accumulation inside our step (same math, less memory)")
-    p.add_argument("--remat", default="nothing_saveable",
+    p.add_argument("--remat", default="qkvo_saveable",
                    help="the layers' jax.checkpoint policy, or 'none' (keep every intermediate)")
     p.add_argument("--skip-torch", action="store_true")
     p.add_argument("--torch-only", action="store_true", help=argparse.SUPPRESS)

@@ -36,6 +36,34 @@ def _parse(eq: str):
     return x, w, out
 
 
+def _einsum_f32(eq: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """`einsum(eq, a, b)` accumulated in float32; a contraction over one index that is not
+    `a`'s last axis is written as a contraction over two halves of it (the same sum).
+
+    Why: XLA:CPU sends a dot whose left operand is contracted over a non-minor axis (the weight
+    gradient `x^T g` of a 2-D projection, attention's `P^T dO`) to a fallback that upcasts
+    bf16 operands to float32 (2-3x slower), while a contraction over two axes is first
+    canonicalised into a transposed copy that its fast bf16 kernel accepts.
+    """
+    ins, out = eq.split("->")
+    sa, sb = ins.split(",")
+    contracted = [c for c in sa if c in sb and c not in out]
+    if len(contracted) == 1 and sa[-1] != contracted[0]:
+        c = contracted[0]
+        n = a.shape[sa.index(c)]
+        if n % 2 == 0:
+            half = next(ch for ch in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if ch not in eq)
+            a = _split_axis(a, sa.index(c))
+            b = _split_axis(b, sb.index(c))
+            sa, sb = sa.replace(c, half + c), sb.replace(c, half + c)
+            eq = f"{sa},{sb}->{out}"
+    return jnp.einsum(eq, a, b, preferred_element_type=jnp.float32)
+
+
+def _split_axis(x: jax.Array, axis: int) -> jax.Array:
+    return x.reshape(*x.shape[:axis], 2, x.shape[axis] // 2, *x.shape[axis + 1:])
+
+
 def mixed_einsum(eq: str, x: jax.Array, w: jax.Array, compute_dtype=jnp.bfloat16) -> jax.Array:
     """float32 `einsum(eq, x, w)` with compute_dtype operands, forward and backward."""
     xs, ws, os_ = _parse(eq)
@@ -52,8 +80,8 @@ def mixed_einsum(eq: str, x: jax.Array, w: jax.Array, compute_dtype=jnp.bfloat16
     def bwd(res, g):
         x_c, w_c = res
         g_c = g.astype(dt)
-        dx = jnp.einsum(f"{os_},{ws}->{xs}", g_c, w_c, preferred_element_type=jnp.float32)
-        dw = jnp.einsum(f"{xs},{os_}->{ws}", x_c, g_c, preferred_element_type=jnp.float32)
+        dx = _einsum_f32(f"{os_},{ws}->{xs}", g_c, w_c)
+        dw = _einsum_f32(f"{xs},{os_}->{ws}", x_c, g_c)
         return dx.astype(x.dtype), dw.astype(w.dtype)
 
     f.defvjp(fwd, bwd)
