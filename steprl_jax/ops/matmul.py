@@ -43,12 +43,13 @@ def _einsum_f32(eq: str, a: jax.Array, b: jax.Array) -> jax.Array:
     Why: XLA:CPU sends a dot whose left operand is contracted over a non-minor axis (the weight
     gradient `x^T g` of a 2-D projection, attention's `P^T dO`) to a fallback that upcasts
     bf16 operands to float32 (2-3x slower), while a contraction over two axes is first
-    canonicalised into a transposed copy that its fast bf16 kernel accepts.
+    canonicalised into a transposed copy that its fast bf16 kernel accepts. Other backends get
+    the einsum as written.
     """
     ins, out = eq.split("->")
     sa, sb = ins.split(",")
     contracted = [c for c in sa if c in sb and c not in out]
-    if len(contracted) == 1 and sa[-1] != contracted[0]:
+    if len(contracted) == 1 and sa[-1] != contracted[0] and jax.default_backend() == "cpu":
         c = contracted[0]
         n = a.shape[sa.index(c)]
         if n % 2 == 0:
