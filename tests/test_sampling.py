@@ -325,3 +325,26 @@ def test_bf16_recorded_logprobs_equal_the_trainers_recomputation():
     logp = token_logprobs(hidden, model.unembedding(), jnp.asarray([seq[1:] + [0]]), temperature=0.8,
                           compute_dtype=jnp.bfloat16)[0, len(prompt) - 1:-1]
     np.testing.assert_allclose(g.logprobs, logp, atol=1e-5)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the default is CPU-specific")
+def test_bf16_single_row_decodes_beside_a_padding_row_with_the_same_results():
+    model = Transformer(ModelConfig.tiny(compute_dtype="bfloat16", eos_token_ids=()), rngs=nnx.Rngs(3))
+    wide, narrow = Sampler(model), Sampler(model, min_decode_batch=1)
+    assert wide.min_decode_batch == 2
+    runs = []
+    for s in (wide, narrow):
+        state = s.prefill([[1, 2, 3, 4]])
+        assert state.batch_bucket == 1  # the prefill itself is not padded
+        state, gens = s.generate(state, jax.random.PRNGKey(0), max_new_tokens=10,
+                                 params=SamplingParams(temperature=0.8))
+        state, more = s.generate(s.append(state, [[5, 6]]), jax.random.PRNGKey(1), max_new_tokens=4,
+                                 params=SamplingParams(temperature=0.8))
+        runs.append((state, gens + more))
+    (w_state, w_gens), (n_state, n_gens) = runs
+    assert (w_state.batch_bucket, n_state.batch_bucket) == (2, 1) and w_state.num_rows == 1
+    for a, b in zip(w_gens, n_gens):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    with pytest.raises(ValueError, match="min_decode_batch"):
+        Sampler(model, min_decode_batch=0)

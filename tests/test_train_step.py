@@ -83,6 +83,23 @@ def test_remat_policies_give_the_same_loss_and_gradients():
         TrainStepConfig(remat="everything")
 
 
+def test_qkvo_policy_keeps_exactly_the_attention_projections(capsys):
+    """What each policy saves across the layer scan: `qkvo_saveable` the q, k, v and output
+    projections ([L, B, T, ...] stacks), `nothing_saveable` only the layers' inputs."""
+    cfg = CFG.replace(num_layers=2)
+    graphdef, params, rest = nnx.split(Transformer(cfg, rngs=nnx.Rngs(1)), nnx.Param, ...)
+    ids = jnp.ones((3, 7), jnp.int32)
+    L, B, T, N, K, H, D = 2, 3, 7, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+    stacks = {}
+    for remat in ("qkvo_saveable", "nothing_saveable"):
+        loss = lambda p: jnp.sum(merge_model(graphdef, p, rest).hidden_states(ids, remat=remat))  # noqa: E731
+        jax.ad_checkpoint.print_saved_residuals(loss, params)
+        lines = capsys.readouterr().out.splitlines()
+        stacks[remat] = sorted(line.split()[0] for line in lines if "output of scan" in line)
+    q, kv, o = f"f32[{L},{B},{T},{N},{H}]", f"f32[{L},{B},{T},{K},{H}]", f"f32[{L},{B * T},{D}]"
+    assert stacks["qkvo_saveable"] == sorted(stacks["nothing_saveable"] + [q, kv, kv, o])
+
+
 def _run_steps(mesh, batch, n_steps=2, microbatches=2):
     tx = make_optimizer(OPT)
     graphdef, state, shardings = create_train_state(_model(), tx, mesh=mesh)

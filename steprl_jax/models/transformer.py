@@ -184,8 +184,9 @@ class Transformer(nnx.Module):
         from token ids. `segment_ids_bt` separates packed sequences. Positions
         default to the count of real tokens before each token (within its segment).
 
-        `remat` names a `jax.checkpoint_policies` policy applied to each layer for the backward
-        pass (e.g. "nothing_saveable": keep only each layer's input and recompute the rest);
+        `remat` names the rematerialisation policy applied to each layer for the backward pass
+        (see `remat_policy`: e.g. "nothing_saveable" keeps only each layer's input and
+        recomputes the rest, "qkvo_saveable" also keeps the attention projections' outputs);
         None keeps every intermediate.
         """
         input_ids_bt = jnp.asarray(input_ids_bt)
@@ -310,6 +311,7 @@ _QKVO = "qkvo"  # checkpoint name of the q, k, v and attention-output projection
 
 
 def _saveable(x):
+    """Name `x` for the "qkvo_saveable" policy (an identity outside a rematerialised pass)."""
     return checkpoint_name(x, _QKVO)
 
 
@@ -396,16 +398,19 @@ def _decoder_layer(c: ModelConfig, dtype, p: dict, x, cos, sin, bias_bts, cached
 
 
 # Query block of the full-sequence (causal) attention: block i attends only to keys before its
-# end, so about half of the logits are never computed (5/8 of them at T = 4 blocks).
+# end, so about half of the logits are never computed (5/8 of them at T = 4 blocks). Long
+# sequences use longer blocks, at most MAX_CAUSAL_BLOCKS of them, to bound the program size.
 CAUSAL_QUERY_BLOCK = 128
+MAX_CAUSAL_BLOCKS = 16
 
 
 def _causal_attention(c: ModelConfig, dtype, q_btnh, k_bksh, v_bksh, bias_bts):
     """`_attention` over a full sequence (key s = position s) whose mask is causal, computed
-    per block of queries over the keys up to the block's last position only. Exact: the keys
-    left out are masked for every query of the block."""
-    block = CAUSAL_QUERY_BLOCK
+    per block of queries over the keys up to the block's last position only. Exact for every
+    query with a visible key (the keys left out are masked for the whole block); a fully
+    masked padding query averages the values it is given, as `_attention` does."""
     T = q_btnh.shape[1]
+    block = max(CAUSAL_QUERY_BLOCK, -(-T // MAX_CAUSAL_BLOCKS))
     if T <= block:
         return _attention(c, dtype, q_btnh, k_bksh, v_bksh, bias_bts)
     outs = []
