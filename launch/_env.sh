@@ -1,9 +1,6 @@
 # Shared set-up for launch scripts: a virtual environment with the project installed.
 # VENV (default .venv) names it; EXTRAS (e.g. "[test]") picks optional dependencies.
 VENV=${VENV:-.venv}
-# Transparent huge pages for malloc's large blocks: XLA:CPU re-faults its temporary buffers at
-# every program execution with 4 KB pages (see steprl_jax/host.py).
-export GLIBC_TUNABLES=${GLIBC_TUNABLES:-glibc.malloc.hugetlb=1}
 PYTHON=${PYTHON:-python3.11}
 command -v "$PYTHON" >/dev/null 2>&1 || PYTHON=python3
 if [ ! -x "$VENV/bin/python" ]; then

@@ -38,7 +38,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from steprl_jax.host import reexec_with_huge_pages
-    reexec_with_huge_pages()
     sys.path.insert(0, os.getcwd())  # so that configs/ can import each other
     app.run(main)

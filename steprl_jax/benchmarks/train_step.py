@@ -212,6 +212,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from steprl_jax.host import reexec_with_huge_pages
-    reexec_with_huge_pages()
     main()
