@@ -88,3 +88,22 @@ def test_bad_inputs():
         token_logprobs(h, w, y, temperature=0.0)
     with pytest.raises(ValueError, match="integer"):
         token_logprobs(h, w, y.astype(jnp.float32))
+
+
+def test_automatic_chunk_size_fits_the_budget():
+    from steprl_jax.ops.logprobs import DEFAULT_CHUNK_BYTES, auto_chunk_size
+    assert auto_chunk_size(2, 512, 49152) == 512  # a 2-row micro-batch: one chunk
+    assert auto_chunk_size(8, 2048, 49152) == 128
+    assert auto_chunk_size(2, 100, 49152) == 100  # never longer than the sequence
+    assert auto_chunk_size(64, 4096, 152064) == 16  # floor of 16 positions
+    for b, v in ((1, 32000), (3, 49152), (8, 262144)):
+        c = auto_chunk_size(b, 10_000, v)
+        assert c >= 16 and c & (c - 1) == 0
+        assert 4 * b * c * v <= DEFAULT_CHUNK_BYTES or c == 16
+        assert 4 * b * 2 * c * v > DEFAULT_CHUNK_BYTES  # the largest power of two that fits
+    # None (the default) is the automatic size: same values as an explicit chunk.
+    h = jax.random.normal(jax.random.PRNGKey(0), (2, 40, 8))
+    w = jax.random.normal(jax.random.PRNGKey(1), (30, 8))
+    y = jax.random.randint(jax.random.PRNGKey(2), (2, 40), 0, 30)
+    np.testing.assert_allclose(token_logprobs(h, w, y), token_logprobs(h, w, y, chunk_size=7),
+                               rtol=1e-6, atol=1e-6)

@@ -166,7 +166,8 @@ def main(argv=None):
     p.add_argument("--length", type=int, default=512)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--torch-steps", type=int, default=1, help="before and after ours each")
-    p.add_argument("--chunk", type=int, default=128)
+    p.add_argument("--chunk", type=int, default=None,
+                   help="log-prob chunk positions (default: automatic, 512 for 2-row micro-batches)")
     p.add_argument("--microbatches", type=int, default=4,
                    help="gradient accumulation inside our step (same math, less memory; on this "
                         "CPU 2-row micro-batches are the fastest per row); must divide --batch")

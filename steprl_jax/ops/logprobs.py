@@ -17,7 +17,9 @@ to the raw logits before dividing by the temperature, the same order a sampler u
 Memory: the sequence axis is cut into chunks of `chunk_size` positions; each chunk's
 [B, chunk, V] float32 logits live only inside a `jax.checkpoint`ed scan body, so neither the
 forward nor the backward pass ever holds the full [B, T, V] array (the backward recomputes one
-chunk's logits at a time). The batch axis is never reshaped, so a batch sharded over the data
+chunk's logits at a time). By default the chunk is the largest power of two whose logits fit
+in `DEFAULT_CHUNK_BYTES` (`auto_chunk_size`): fewer, larger chunks are faster, and the budget
+bounds the memory. The batch axis is never reshaped, so a batch sharded over the data
 axes stays sharded; a vocab-sharded unembedding stays vocab-sharded (XLA reduces the
 logsumexp across shards).
 """
@@ -30,7 +32,18 @@ import jax.numpy as jnp
 
 from steprl_jax.ops.matmul import mixed_einsum
 
-DEFAULT_CHUNK_SIZE = 128
+# Budget for one chunk's float32 logits [B, chunk, V]. 256 MiB gives 512 positions for a
+# 2-row SmolLM2 micro-batch (a train step ~5% faster on CPU than with 128-position chunks) and
+# 128 for 8 rows.
+DEFAULT_CHUNK_BYTES = 256 << 20
+
+
+def auto_chunk_size(batch: int, length: int, vocab: int,
+                    budget_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+    """The largest power of two (at least 16, at most `length`) of positions whose float32
+    logits [batch, chunk, vocab] fit in `budget_bytes`."""
+    fit = max(int(budget_bytes) // (4 * batch * vocab), 1)
+    return max(1, min(max(16, 1 << (fit.bit_length() - 1)), length))
 
 
 def _check_inputs(hidden_btd, unembed_vd, targets_bt, temperature, final_softcap, chunk_size):
@@ -52,8 +65,8 @@ def _check_inputs(hidden_btd, unembed_vd, targets_bt, temperature, final_softcap
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if final_softcap is not None and not final_softcap > 0:
         raise ValueError(f"final_softcap must be None or > 0, got {final_softcap}")
-    if int(chunk_size) < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if chunk_size is not None and int(chunk_size) < 1:
+        raise ValueError(f"chunk_size must be None (automatic) or >= 1, got {chunk_size}")
 
 
 def scaled_logits(hidden_bcd, unembed_vd, *, temperature=1.0, final_softcap=None,
@@ -101,7 +114,7 @@ def stats_from_scaled_logits(z_bcv, targets_bc, with_entropy: bool = False):
 
 def token_logprobs(hidden_btd: jax.Array, unembed_vd: jax.Array, targets_bt: jax.Array, *,
                    temperature: float | jax.Array = 1.0, final_softcap: Optional[float] = None,
-                   chunk_size: int = DEFAULT_CHUNK_SIZE, with_entropy: bool = False,
+                   chunk_size: Optional[int] = None, with_entropy: bool = False,
                    compute_dtype=None):
     """float32 log pi(targets | hidden) per position, plus entropies if `with_entropy`.
 
@@ -112,6 +125,7 @@ def token_logprobs(hidden_btd: jax.Array, unembed_vd: jax.Array, targets_bt: jax
       temperature: log-softmax is taken of `logits / temperature` (scalar, may be traced).
       final_softcap: the model's final-logit softcap, or None.
       chunk_size: sequence positions per chunk; peak extra memory is ~B*chunk*V*4 bytes x a few.
+        None: `auto_chunk_size` (a 256 MiB budget for one chunk's logits).
       with_entropy: also return the entropy of softmax(logits / temperature).
       compute_dtype: matmul operand dtype (None: as given); accumulation is always float32.
 
@@ -120,6 +134,8 @@ def token_logprobs(hidden_btd: jax.Array, unembed_vd: jax.Array, targets_bt: jax
     """
     _check_inputs(hidden_btd, unembed_vd, targets_bt, temperature, final_softcap, chunk_size)
     b, t, d = hidden_btd.shape
+    if chunk_size is None:
+        chunk_size = auto_chunk_size(b, t, unembed_vd.shape[0])
     c = min(int(chunk_size), t)
     n_chunks = -(-t // c)
     pad = n_chunks * c - t

@@ -23,7 +23,8 @@ class LossConfig:
     entropy_coef: entropy bonus (subtracted from the loss).
     temperature: the sampling temperature; log-probs are log-softmax(logits / temperature),
       exactly as the sampler records them.
-    logprob_chunk: sequence positions per log-prob chunk.
+    logprob_chunk: sequence positions per log-prob chunk; None: the largest power of two whose
+      float32 logits fit a 256 MiB budget (`ops.logprobs.auto_chunk_size`).
     """
     kind: str = "policy"
     agg: str = "token_mean"
@@ -35,7 +36,7 @@ class LossConfig:
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
     temperature: float = 1.0
-    logprob_chunk: int = 128
+    logprob_chunk: Optional[int] = None
 
     def __post_init__(self):
         if self.kind not in LOSS_KINDS:
@@ -54,6 +55,8 @@ class LossConfig:
             raise ValueError("kl_coef and entropy_coef must be >= 0")
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.logprob_chunk is not None and self.logprob_chunk < 1:
+            raise ValueError(f"logprob_chunk must be None (automatic) or >= 1, got {self.logprob_chunk}")
 
 
 @dataclasses.dataclass(frozen=True)

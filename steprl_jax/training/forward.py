@@ -11,7 +11,7 @@ from typing import Optional
 
 import jax.numpy as jnp
 
-from steprl_jax.ops.logprobs import DEFAULT_CHUNK_SIZE, token_logprobs
+from steprl_jax.ops.logprobs import token_logprobs
 
 
 def _shift_right(x_bt):
@@ -19,7 +19,7 @@ def _shift_right(x_bt):
 
 
 def sequence_logprobs(model, tokens_bt, *, attention_mask_bt=None, temperature=1.0,
-                      chunk_size: int = DEFAULT_CHUNK_SIZE, with_entropy: bool = False,
+                      chunk_size: Optional[int] = None, with_entropy: bool = False,
                       remat: Optional[str] = None):
     """Per-token log-probs [B, L] (and entropies of the predicting distribution) of `tokens_bt`;
     `remat`: the layers' rematerialisation policy (see `Transformer.hidden_states`)."""

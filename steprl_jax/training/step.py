@@ -146,7 +146,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: TrainStepCo
                    out_shardings=(state_shardings, replicated), donate_argnums=0)
 
 
-def make_logprob_fn(graphdef, *, temperature: float = 1.0, chunk_size: int = 128,
+def make_logprob_fn(graphdef, *, temperature: float = 1.0, chunk_size: Optional[int] = None,
                     mesh: Optional[Mesh] = None, rules: dict = LOGICAL_AXIS_RULES):
     """Jitted fn(params, rest, tokens, attention_mask) -> logp_bt [B, L], aligned like Batch:
     recompute old log-probs or fill `ref_logp` from a frozen reference model's params
