@@ -10,8 +10,9 @@ def get_config(arg=None):
     c = ConfigDict()
     c.workdir = "runs/demo"
     c.seed = 0
-    # float32 on CPU: XLA:CPU's bf16 matrix-vector products (a batch of 1, as episodes finish) are
-    # slow, though bf16 decodes faster at batch >= 8. bfloat16 on TPU/GPU.
+    # float32 on CPU, the setting every recorded demo run used. bf16 decodes faster at batch >= 8
+    # and, beside a padding row (Sampler.min_decode_batch), at batch 1 too; not measured on this
+    # job. bfloat16 on TPU/GPU.
     c.model = ConfigDict(dict(source="smollm2-135m-instruct", compute_dtype="float32"))
     # name: arithmetic (built in) | gsm8k | hotpotqa | toolworld
     c.task = ConfigDict(dict(name="arithmetic", path="", split="test", num_tasks=16, offset=0, world_seed=0,

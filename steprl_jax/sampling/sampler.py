@@ -490,22 +490,22 @@ class Sampler:
             raise ValueError("fork: no rows")
         if rows.min() < 0 or rows.max() >= state.num_rows:
             raise IndexError(f"fork: rows must be in [0, {state.num_rows}), got {rows.tolist()}")
-        batch = self._batch_bucket(rows.size)
-        gather = np.zeros(batch, np.int32)
-        gather[:rows.size] = rows
-        self._note("fork", (state.batch_bucket, batch, state.cache_length))
-        cache, last = self._take_rows_jit(self._put_rows(gather), state.cache, state.last_token)
+        cache, last = self._gather_rows(state, rows, self._batch_bucket(rows.size), "fork")
         return SamplerState(cache, last, state.lengths[rows].copy(), state.index)
 
     def _widen(self, state: SamplerState, batch: int) -> SamplerState:
         """`state` with at least `batch` cache rows; the added rows are padding (copies of row 0)."""
         if state.batch_bucket >= batch:
             return state
-        gather = np.zeros(batch, np.int32)
-        gather[:state.batch_bucket] = np.arange(state.batch_bucket)
-        self._note("widen", (state.batch_bucket, batch, state.cache_length))
-        cache, last = self._take_rows_jit(self._put_rows(gather), state.cache, state.last_token)
+        cache, last = self._gather_rows(state, np.arange(state.batch_bucket), batch, "widen")
         return dataclasses.replace(state, cache=cache, last_token=last)
+
+    def _gather_rows(self, state: SamplerState, rows: np.ndarray, batch: int, kind: str):
+        """(cache, last_token) of `batch` rows: row j is `state` row `rows[j]`, padding rows copy row 0."""
+        gather = np.zeros(batch, np.int32)
+        gather[:rows.size] = rows
+        self._note(kind, (state.batch_bucket, batch, state.cache_length))
+        return self._take_rows_jit(self._put_rows(gather), state.cache, state.last_token)
 
     def generate(self, state: SamplerState, key, *, max_new_tokens: Union[int, Sequence[int]],
                  params: SamplingParams = SamplingParams(), stop: Sequence[str] = (),
