@@ -107,3 +107,56 @@ def test_automatic_chunk_size_fits_the_budget():
     y = jax.random.randint(jax.random.PRNGKey(2), (2, 40), 0, 30)
     np.testing.assert_allclose(token_logprobs(h, w, y), token_logprobs(h, w, y, chunk_size=7),
                                rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk", [4, 8, 37, None])
+def test_wanted_positions_equal_naive_values_and_gradients(chunk):
+    """`where_bt`: the wanted positions' log-probs, entropies and gradients are the naive
+    path's; the others read 0 and send no gradient."""
+    h, w, y = _inputs()
+    k1, k2 = jax.random.split(jax.random.PRNGKey(7))
+    where = jax.random.bernoulli(k1, 0.3, y.shape).at[:, :10].set(False).at[1].set(False)
+    g_bt = jax.random.normal(k2, y.shape)
+    lp, ent = token_logprobs(h, w, y, with_entropy=True, where_bt=where, chunk_size=chunk)
+    lp_ref, ent_ref = naive_token_logprobs(h, w, y, with_entropy=True)
+    np.testing.assert_allclose(lp, np.where(where, lp_ref, 0.0), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(ent, np.where(where, ent_ref, 0.0), rtol=1e-6, atol=1e-6)
+
+    def loss(fn, h, w, **kw):
+        lp, ent = fn(h, w, y, with_entropy=True, temperature=0.9, **kw)
+        return jnp.sum(jnp.where(where, lp * g_bt + 0.3 * ent, 0.0))
+
+    grads = jax.jit(jax.grad(lambda h, w: loss(token_logprobs, h, w, where_bt=where,
+                                               chunk_size=chunk), (0, 1)))(h, w)
+    grads_ref = jax.grad(lambda h, w: loss(naive_token_logprobs, h, w), (0, 1))(h, w)
+    for got, ref in zip(grads, grads_ref):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_chunks_without_wanted_positions_are_skipped():
+    """Each row wants exactly one chunk's worth of (scattered) positions; every other position
+    holds NaN. Computing any chunk past the first would put NaN into the weight gradient
+    (NaN logits times a zero cotangent), so finite values and gradients show the skip."""
+    b, t, d, v, c = 2, 32, 8, 20, 8
+    h, w, y = _inputs(b=b, t=t, d=d, v=v)
+    where = np.zeros((b, t), bool)
+    where[0, [1, 3, 4, 9, 15, 20, 28, 31]] = True
+    where[1, 16:24] = True
+    poisoned = jnp.where(jnp.asarray(where)[..., None], h, jnp.nan)
+    f = jax.jit(jax.value_and_grad(
+        lambda h, w: jnp.sum(token_logprobs(h, w, y, where_bt=where, chunk_size=c)), (0, 1)))
+    value, (gh, gw) = f(poisoned, w)
+    ref = naive_token_logprobs(h, w, y)
+    np.testing.assert_allclose(value, jnp.sum(jnp.where(where, ref, 0.0)), rtol=1e-5)
+    assert np.isfinite(np.asarray(gw)).all()
+    assert np.isfinite(np.asarray(gh)[where]).all()
+    # The same poison without the mask-aware path does reach the gradient.
+    full = jax.grad(lambda w: jnp.sum(jnp.where(where, token_logprobs(poisoned, w, y,
+                                                                      chunk_size=c), 0.0)))(w)
+    assert not np.isfinite(np.asarray(full)).all()
+
+
+def test_wanted_positions_shape_error():
+    h, w, y = _inputs()
+    with pytest.raises(ValueError, match="where_bt shape"):
+        token_logprobs(h, w, y, where_bt=jnp.ones((3, 5), bool))

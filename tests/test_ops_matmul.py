@@ -69,3 +69,47 @@ def test_bad_equations():
         mixed_einsum("...d,vd->...v", x, x)
     with pytest.raises(ValueError, match="summed alone"):
         mixed_einsum("ab,cb->c", x, x)
+
+
+@pytest.mark.parametrize("eq,xs,ws", [("btd,dnh->btnh", (2, 3, 8), (8, 2, 4)),
+                                      ("bm,md->bd", (12, 8), (8, 6)),
+                                      ("btf,fd->btd", (2, 5, 6), (6, 4)),
+                                      ("nd,vd->nv", (6, 8), (5, 8)),        # weight transposed
+                                      ("btnh,nhd->dbt", (2, 3, 2, 4), (2, 4, 8))])  # permuted out
+def test_projection_values_and_grads(eq, xs, ws):
+    from steprl_jax.ops.matmul import projection
+    kx, kw, kg = jax.random.split(jax.random.PRNGKey(1), 3)
+    x, w = jax.random.normal(kx, xs), jax.random.normal(kw, ws)
+    ref = jnp.einsum(eq, x, w)
+    g = jax.random.normal(kg, ref.shape)
+    rx, rw = jax.grad(lambda x, w: jnp.sum(jnp.einsum(eq, x, w) * g), (0, 1))(x, w)
+    for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 5e-2)):
+        out = projection(eq, x, w, dtype)
+        assert out.dtype == jnp.float32 and out.shape == ref.shape
+        np.testing.assert_allclose(out, ref, rtol=tol, atol=tol)
+        dx, dw = jax.grad(lambda x, w: jnp.sum(projection(eq, x, w, dtype) * g), (0, 1))(x, w)
+        assert dx.dtype == jnp.float32 and dw.dtype == jnp.float32
+        np.testing.assert_allclose(dx, rx, rtol=tol, atol=tol)
+        np.testing.assert_allclose(dw, rw, rtol=tol, atol=tol)
+
+
+def test_projection_weight_gradient_transposes_the_activation():
+    """The weight gradient is a plain matmul of the explicitly transposed activation."""
+    from steprl_jax.ops.matmul import projection
+    x, w = jnp.ones((8, 4)), jnp.ones((4, 6))
+    jaxpr = jax.make_jaxpr(jax.grad(lambda x, w: jnp.sum(projection("bd,df->bf", x, w)),
+                                    (0, 1)))(x, w)
+    eqns = list(_all_eqns(jaxpr.jaxpr))
+    (weight_grad,) = [e for e in eqns if e.primitive.name == "dot_general"
+                      and e.outvars[0].aval.shape == (4, 6)]
+    (lhs_contract, rhs_contract), _ = weight_grad.params["dimension_numbers"]
+    assert tuple(lhs_contract) == (1,) and tuple(rhs_contract) == (0,)
+    assert weight_grad.invars[0].aval.shape == (4, 8)  # x^T
+    assert any(e.primitive.name == "transpose" and e.outvars[0] is weight_grad.invars[0]
+               for e in eqns)
+
+
+def test_projection_refuses_a_batch_index():
+    from steprl_jax.ops.matmul import projection
+    with pytest.raises(ValueError, match="batch index"):
+        projection("bkm,bkn->bmn", jnp.ones((2, 3, 4)), jnp.ones((2, 3, 5)))

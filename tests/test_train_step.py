@@ -224,3 +224,37 @@ def test_checkpoint_resume_is_bit_identical(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
     ckpt.close()
     ckpt2.close()
+
+
+def test_loss_mask_positions_only_and_unrolled_layers_change_nothing():
+    """The train step projects only loss positions onto the vocabulary, and `scan_layers=False`
+    unrolls the layers: loss and gradients equal a full-logits, scanned computation."""
+    from steprl_jax.training.forward import sequence_logprobs
+    graphdef, params, rest = nnx.split(Transformer(CFG.replace(num_layers=3), rngs=nnx.Rngs(2)),
+                                       nnx.Param, ...)
+    batch = jax.tree.map(jnp.asarray, _batch())
+    loss_cfg = LossConfig(eps_low=0.2, eps_high=0.28, logprob_chunk=4, entropy_coef=0.01)
+    mask = batch.loss_mask.at[:, 0].set(0.0)
+
+    def full_logits_loss(params):
+        model = merge_model(graphdef, params, rest)
+        logp, ent = sequence_logprobs(model, batch.tokens, attention_mask_bt=batch.attention_mask,
+                                      with_entropy=True)
+        from steprl_jax.ops import losses
+        total, denom, _ = losses.policy_loss(logp, batch.old_logp, batch.advantages, mask,
+                                             eps_low=0.2, eps_high=0.28)
+        total = total - 0.01 * losses.agg_sum(ent, mask, "token_mean")
+        return total / denom
+
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(full_logits_loss))(params)
+    for scan in (True, False):
+        loss, grads, _ = jax.jit(make_loss_and_grad(graphdef, TrainStepConfig(
+            loss=loss_cfg, scan_layers=scan)))(params, rest, batch)
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, err_msg=f"scan={scan}")
+        for g, g_ref in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+            np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-6, err_msg=f"scan={scan}")
+    # make_logprob_fn with a loss mask: the marked tokens' values, 0 elsewhere.
+    fn = make_logprob_fn(graphdef)
+    every = fn(params, rest, batch.tokens, batch.attention_mask)
+    marked = fn(params, rest, batch.tokens, batch.attention_mask, mask)
+    np.testing.assert_allclose(marked, np.where(mask > 0, every, 0.0), rtol=1e-5, atol=1e-6)

@@ -67,13 +67,14 @@ def synthetic_batch(batch: int, length: int, vocab: int, seed: int = 0):
     return tokens, mask, adv
 
 
-def bench_jax(batch, length, steps, chunk, microbatches=4, remat="qkvo_saveable"):
+def bench_jax(batch, length, steps, chunk, microbatches=4, remat="qkvo_saveable",
+              compute_dtype="bfloat16", scan_layers=True):
     import jax
     from steprl_jax.models import load_pretrained
     from steprl_jax.training import (LossConfig, OptimizerConfig, TrainStepConfig,
                                      create_train_state, make_batch, make_logprob_fn,
                                      make_optimizer, make_train_step)
-    model, _ = load_pretrained("smollm2-135m-instruct", compute_dtype="bfloat16")
+    model, _ = load_pretrained("smollm2-135m-instruct", compute_dtype=compute_dtype)
     cfg = model.config
     tx = make_optimizer(OptimizerConfig(learning_rate=1e-6, total_steps=1000))
     graphdef, state, _ = create_train_state(model, tx)
@@ -82,7 +83,7 @@ def bench_jax(batch, length, steps, chunk, microbatches=4, remat="qkvo_saveable"
     b = jax.device_put(make_batch(tokens, mask, adv, np.asarray(old)))
     step = make_train_step(graphdef, tx, TrainStepConfig(loss=LossConfig(
         agg="token_mean", eps_low=0.2, eps_high=0.28, logprob_chunk=chunk),
-        num_microbatches=microbatches, remat=remat))
+        num_microbatches=microbatches, remat=remat, scan_layers=scan_layers))
     _log(f"jax: model loaded; compiling the train step")
     t0 = time.perf_counter()
     state, m = step(state, b)

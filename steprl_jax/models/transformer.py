@@ -7,7 +7,8 @@ copies, which keeps compile times short on CPU and TPU alike; per-layer differen
 Cached passes (`extend`: prefill, continue, decode) run the layers unrolled over a per-layer
 KV cache, so that each layer reads and updates its cache buffer in place (see `KVCache`).
 
-Activations stay float32; every matmul goes through `_mm`, which casts its inputs
+Activations stay float32; every matmul goes through `projection` (weights) or `_mm`
+(attention), which cast their inputs
 to the compute dtype and accumulates in float32 (bf16-in/f32-out is the fast
 path on CPU and TPU; float32 is exact for parity tests).
 
@@ -25,12 +26,13 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from steprl_jax.models.config import ModelConfig, RopeConfig
-from steprl_jax.ops.matmul import mixed_einsum
+from steprl_jax.ops.matmul import mixed_einsum, projection
 
 _MASKED = -1e30  # finite, so a fully masked (padding) query row gives no NaN
 
 
 def _mm(eq: str, x, w, dtype):
+    """Attention's batched products (the weight products go through `projection`)."""
     if dtype == jnp.float32:
         return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32)
     # Low-precision operands, float32 accumulation, and a backward pass that stays low precision.
@@ -177,7 +179,7 @@ class Transformer(nnx.Module):
         return self.logits_from_hidden(hidden)
 
     def hidden_states(self, input_ids_bt, *, positions_bt=None, attention_mask_bt=None, segment_ids_bt=None,
-                      remat: Optional[str] = None):
+                      remat: Optional[str] = None, scan_layers: bool = True):
         """Final-normed hidden states [B, T, D] for a full sequence (no cache).
 
         `attention_mask_bt` (1 = real token) marks padding; it is never inferred
@@ -207,7 +209,7 @@ class Transformer(nnx.Module):
             & (segments_bt[:, :, None] == segments_bt[:, None, :])
         )
         x = self._embed(input_ids_bt)
-        x = self._run_layers(x, positions_bt, mask_bts, positions_bt, remat)
+        x = self._run_layers(x, positions_bt, mask_bts, positions_bt, remat, scan_layers)
         return self._final_norm(x)
 
     def extend(self, input_ids_bt, positions_bt, cache: KVCache, layer_params: Optional[tuple] = None):
@@ -275,8 +277,9 @@ class Transformer(nnx.Module):
         bias = lambda m: jnp.where(m, jnp.float32(0), jnp.float32(_MASKED))  # noqa: E731
         return (cos_g, sin_g, bias(mask_bts)), (cos_l, sin_l, bias(window_mask))
 
-    def _run_layers(self, x, q_pos_bt, mask_bts, key_pos_bs, remat: Optional[str] = None):
-        """All layers under `lax.scan` over the stacked parameters (no cache)."""
+    def _run_layers(self, x, q_pos_bt, mask_bts, key_pos_bs, remat: Optional[str] = None,
+                    scan_layers: bool = True):
+        """All layers under `lax.scan` over the stacked parameters, or unrolled (no cache)."""
         c = self.config
         dtype = jnp.dtype(c.compute_dtype)
         global_, local = self._masks_and_ropes(q_pos_bt, mask_bts, key_pos_bs)
@@ -289,7 +292,12 @@ class Transformer(nnx.Module):
 
         if remat is not None:
             layer = jax.checkpoint(layer, policy=remat_policy(remat), prevent_cse=False)
-        x, _ = jax.lax.scan(layer, x, (self.layers.stacked(), jnp.asarray(c.layer_is_sliding)))
+        stacked, sliding = self.layers.stacked(), jnp.asarray(c.layer_is_sliding)
+        if scan_layers:
+            x, _ = jax.lax.scan(layer, x, (stacked, sliding))
+            return x
+        for i in range(c.num_layers):
+            x, _ = layer(x, ({name: w[i] for name, w in stacked.items()}, sliding[i]))
         return x
 
     def _run_layers_cached(self, x, q_pos_bt, mask_bts, key_pos_bs, cache: KVCache, layer_params: tuple):
@@ -360,9 +368,9 @@ def _decoder_layer(c: ModelConfig, dtype, p: dict, x, cos, sin, bias_bts, cached
     Returns (new x, updated (k, v) buffers or None)."""
     eps, plus_one = c.rms_norm_eps, c.norm_plus_one
     h = _rms_norm(x, p["attn_norm"], eps, plus_one)
-    q = _saveable(_mm("btd,dnh->btnh", h, p["q"], dtype))
-    k = _saveable(_mm("btd,dkh->btkh", h, p["k"], dtype))
-    v = _saveable(_mm("btd,dkh->btkh", h, p["v"], dtype))
+    q = _saveable(projection("btd,dnh->btnh", h, p["q"], dtype))
+    k = _saveable(projection("btd,dkh->btkh", h, p["k"], dtype))
+    v = _saveable(projection("btd,dkh->btkh", h, p["v"], dtype))
     if c.qkv_bias:
         q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
     if c.qk_norm:
@@ -383,15 +391,15 @@ def _decoder_layer(c: ModelConfig, dtype, p: dict, x, cos, sin, bias_bts, cached
     # einsum over (n, h), XLA:CPU chose to transpose the weight instead, a copy at every step.
     B, T, N, H = q.shape
     attn = attn.transpose(0, 2, 1, 3, 4).reshape(B * T, N * H)
-    out = _saveable(_mm("bm,md->bd", attn, p["o"].reshape(N * H, -1), dtype)).reshape(B, T, -1)
+    out = _saveable(projection("bm,md->bd", attn, p["o"].reshape(N * H, -1), dtype)).reshape(B, T, -1)
     if c.sandwich_norms:
         out = _rms_norm(out, p["attn_out_norm"], eps, plus_one)
     x = x + out
     h = _rms_norm(x, p["mlp_norm"], eps, plus_one)
-    gate = _mm("btd,df->btf", h, p["gate"], dtype)
-    up = _mm("btd,df->btf", h, p["up"], dtype)
+    gate = projection("btd,df->btf", h, p["gate"], dtype)
+    up = projection("btd,df->btf", h, p["up"], dtype)
     act = jax.nn.silu(gate) if c.activation == "silu" else jax.nn.gelu(gate, approximate=True)
-    out = _mm("btf,fd->btd", act * up, p["down"], dtype)
+    out = projection("btf,fd->btd", act * up, p["down"], dtype)
     if c.sandwich_norms:
         out = _rms_norm(out, p["mlp_out_norm"], eps, plus_one)
     return x + out, kv

@@ -22,6 +22,12 @@ in `DEFAULT_CHUNK_BYTES` (`auto_chunk_size`): fewer, larger chunks are faster, a
 bounds the memory. The batch axis is never reshaped, so a batch sharded over the data
 axes stays sharded; a vocab-sharded unembedding stays vocab-sharded (XLA reduces the
 logsumexp across shards).
+
+Work: `where_bt` (e.g. a loss mask) names the positions whose log-probs are wanted. Each row's
+wanted positions are moved to its front (a stable per-row permutation, undone on the way out,
+forward and backward), and a chunk past every row's count skips the vocabulary projection
+(`lax.cond`). Prompts and tool outputs carry no loss, so an RL batch typically does a half or
+less of the [B, T, V] work; the other positions read 0.
 """
 from __future__ import annotations
 
@@ -112,10 +118,30 @@ def stats_from_scaled_logits(z_bcv, targets_bc, with_entropy: bool = False):
     return logp_bc, entropy_bc
 
 
+@jax.custom_vjp
+def _take_rows(x_btd, order_bt, inverse_bt):
+    """x[b, order[b, t]] for a per-row permutation `order` with inverse `inverse`; the backward
+    is the inverse gather (a permutation's transpose), not a scatter-add."""
+    return jnp.take_along_axis(x_btd, order_bt.reshape(*order_bt.shape, *[1] * (x_btd.ndim - 2)),
+                               axis=1)
+
+
+def _take_rows_fwd(x_btd, order_bt, inverse_bt):
+    return _take_rows(x_btd, order_bt, inverse_bt), (order_bt, inverse_bt)
+
+
+def _take_rows_bwd(res, g_btd):
+    order_bt, inverse_bt = res
+    return _take_rows(g_btd, inverse_bt, order_bt), None, None
+
+
+_take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+
+
 def token_logprobs(hidden_btd: jax.Array, unembed_vd: jax.Array, targets_bt: jax.Array, *,
                    temperature: float | jax.Array = 1.0, final_softcap: Optional[float] = None,
                    chunk_size: Optional[int] = None, with_entropy: bool = False,
-                   compute_dtype=None):
+                   compute_dtype=None, where_bt: Optional[jax.Array] = None):
     """float32 log pi(targets | hidden) per position, plus entropies if `with_entropy`.
 
     Args:
@@ -128,12 +154,25 @@ def token_logprobs(hidden_btd: jax.Array, unembed_vd: jax.Array, targets_bt: jax
         None: `auto_chunk_size` (a 256 MiB budget for one chunk's logits).
       with_entropy: also return the entropy of softmax(logits / temperature).
       compute_dtype: matmul operand dtype (None: as given); accumulation is always float32.
+      where_bt: optional bool [B, T], the positions whose values are wanted; the others are 0
+        and cost nothing once a whole chunk is free of wanted positions (see the module
+        docstring). With it, the automatic chunk is at most a quarter of the row, so that
+        skipping has something to skip. Under `vmap` the skip becomes a select (no saving).
 
     Returns:
       logp_bt float32 [B, T], or (logp_bt, entropy_bt) when `with_entropy`.
     """
     _check_inputs(hidden_btd, unembed_vd, targets_bt, temperature, final_softcap, chunk_size)
     b, t, d = hidden_btd.shape
+    if where_bt is not None:
+        if tuple(where_bt.shape) != (b, t):
+            raise ValueError(f"where_bt shape {tuple(where_bt.shape)} does not match "
+                             f"hidden_btd batch/length {(b, t)}")
+        if chunk_size is None:
+            chunk_size = min(auto_chunk_size(b, t, unembed_vd.shape[0]), max(16, t // 4))
+        return _wanted_logprobs(hidden_btd, unembed_vd, targets_bt, where_bt.astype(bool),
+                                temperature, final_softcap, int(chunk_size), with_entropy,
+                                compute_dtype)
     if chunk_size is None:
         chunk_size = auto_chunk_size(b, t, unembed_vd.shape[0])
     c = min(int(chunk_size), t)
@@ -161,6 +200,52 @@ def token_logprobs(hidden_btd: jax.Array, unembed_vd: jax.Array, targets_bt: jax
         return logp_bt
     entropy_bt = jnp.moveaxis(ent_nbc, 0, 1).reshape(b, n_chunks * c)[:, :t]
     return logp_bt, entropy_bt
+
+
+def _wanted_logprobs(hidden_btd, unembed_vd, targets_bt, where_bt, temperature, final_softcap,
+                     chunk_size, with_entropy, compute_dtype):
+    """`token_logprobs` at the positions `where_bt` only (0 elsewhere), skipping the chunks
+    that hold none of them after each row's wanted positions are moved to its front."""
+    b, t, d = hidden_btd.shape
+    c = min(chunk_size, t)
+    n_chunks = -(-t // c)
+    pad = n_chunks * c - t
+    if pad:
+        hidden_btd = jnp.pad(hidden_btd, ((0, 0), (0, pad), (0, 0)))
+        targets_bt = jnp.pad(targets_bt, ((0, 0), (0, pad)))
+        where_bt = jnp.pad(where_bt, ((0, 0), (0, pad)))
+    # Wanted positions first, in their order (a stable sort of 0/1 keys); integer work only.
+    order_bt = jnp.argsort(jnp.logical_not(where_bt), axis=1, stable=True).astype(jnp.int32)
+    inverse_bt = jnp.argsort(order_bt, axis=1).astype(jnp.int32)
+    count = jnp.max(jnp.sum(where_bt, axis=1))  # the longest row's count decides the chunks
+    hidden_nbcd = jnp.moveaxis(_take_rows(hidden_btd, order_bt, inverse_bt)
+                               .reshape(b, n_chunks, c, d), 1, 0)
+    targets_nbc = jnp.moveaxis(jnp.take_along_axis(targets_bt, order_bt, axis=1)
+                               .reshape(b, n_chunks, c), 1, 0)
+
+    @jax.checkpoint
+    def body(hidden_bcd, targets_bc, start):
+        def compute(h, y):
+            return _chunk_stats(h, y, unembed_vd, temperature, final_softcap, compute_dtype,
+                                with_entropy)
+
+        def skip(h, y):
+            zeros = jnp.zeros(y.shape, jnp.float32)
+            return zeros, zeros
+
+        return jax.lax.cond(start < count, compute, skip, hidden_bcd, targets_bc)
+
+    starts = jnp.arange(n_chunks, dtype=jnp.int32) * c
+    _, (logp_nbc, ent_nbc) = jax.lax.scan(lambda carry, xs: (carry, body(*xs)), None,
+                                          (hidden_nbcd, targets_nbc, starts))
+    keep_bt = jnp.take_along_axis(where_bt, order_bt, axis=1)
+
+    def unsort(x_nbc):
+        x_bt = jnp.where(keep_bt, jnp.moveaxis(x_nbc, 0, 1).reshape(b, n_chunks * c), 0.0)
+        return _take_rows(x_bt, inverse_bt, order_bt)[:, :t]
+
+    logp_bt = unsort(logp_nbc)
+    return (logp_bt, unsort(ent_nbc)) if with_entropy else logp_bt
 
 
 def naive_token_logprobs(hidden_btd, unembed_vd, targets_bt, *, temperature=1.0,

@@ -9,10 +9,20 @@ inputs' dtypes (float32 master weights stay float32).
 
 Restricted to two-operand einsums written without `...`, where every index of an operand
 appears in the other operand or in the output (true of every projection in a transformer).
+
+`projection` is the same for the weight products of a layer (no index shared by the two
+operands survives, so it is one 2-D matmul): its backward transposes the activation
+explicitly for the weight gradient, `dW = x^T g`, and multiplies `dx = g W^T`. Left to itself,
+XLA:CPU fuses the transpose it needs into the elementwise producer of `g` (silu's backward,
+the sum of rope's cotangents) and writes that fusion column by column: 23 ms for a
+[1024, 1536] float32 gradient in SmolLM2's MLP, where the explicit transpose of the narrower
+activation costs ~1 ms. An MLP's forward + backward ran 1.6x faster in float32 and ~1.2x in
+bf16 on a 2-core CPU.
 """
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -87,3 +97,48 @@ def mixed_einsum(eq: str, x: jax.Array, w: jax.Array, compute_dtype=jnp.bfloat16
 
     f.defvjp(fwd, bwd)
     return f(x, w)
+
+
+def projection(eq: str, x: jax.Array, w: jax.Array, compute_dtype=jnp.float32) -> jax.Array:
+    """float32 `einsum(eq, x, w)` of an activation `x` and a weight `w` whose shared indices are
+    all summed (e.g. "btd,dnh->btnh"), as one 2-D matmul with compute_dtype operands and
+    float32 accumulation, forward and backward; gradients come back in the inputs' dtypes."""
+    xs, ws, os_ = _parse(eq)
+    summed = [c for c in ws if c in xs]
+    if any(c in os_ for c in summed):
+        raise ValueError(f"projection {eq!r}: an index of both operands is kept (a batch "
+                         f"index); use mixed_einsum")
+    x_free = [c for c in xs if c not in ws]
+    w_free = [c for c in ws if c not in xs]
+    size = dict(zip(xs, x.shape)) | dict(zip(ws, w.shape))
+    count = lambda idx: math.prod(size[c] for c in idx)  # noqa: E731
+    x_mk = jnp.transpose(x, [xs.index(c) for c in x_free + summed]).reshape(
+        count(x_free), count(summed))
+    w_kn = jnp.transpose(w, [ws.index(c) for c in summed + w_free]).reshape(
+        count(summed), count(w_free))
+    y = _matmul_2d(x_mk, w_kn, jnp.dtype(compute_dtype)).reshape(
+        [size[c] for c in x_free + w_free])
+    return jnp.transpose(y, [(x_free + w_free).index(c) for c in os_])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _matmul_2d(x_mk, w_kn, dtype):
+    return jnp.dot(x_mk.astype(dtype), w_kn.astype(dtype), preferred_element_type=jnp.float32)
+
+
+def _matmul_2d_fwd(x_mk, w_kn, dtype):
+    x_c, w_c = x_mk.astype(dtype), w_kn.astype(dtype)
+    # The zero-size arrays carry the inputs' dtypes to the backward (residuals are arrays).
+    like = (jnp.zeros((0,), x_mk.dtype), jnp.zeros((0,), w_kn.dtype))
+    return jnp.dot(x_c, w_c, preferred_element_type=jnp.float32), (x_c, w_c, like)
+
+
+def _matmul_2d_bwd(dtype, res, g_mn):
+    x_c, w_c, (x_like, w_like) = res
+    g_c = g_mn.astype(dtype)
+    dx = jnp.dot(g_c, jnp.transpose(w_c), preferred_element_type=jnp.float32)
+    dw = jnp.dot(jnp.transpose(x_c), g_c, preferred_element_type=jnp.float32)
+    return dx.astype(x_like.dtype), dw.astype(w_like.dtype)
+
+
+_matmul_2d.defvjp(_matmul_2d_fwd, _matmul_2d_bwd)

@@ -24,7 +24,9 @@ class LossConfig:
     temperature: the sampling temperature; log-probs are log-softmax(logits / temperature),
       exactly as the sampler records them.
     logprob_chunk: sequence positions per log-prob chunk; None: the largest power of two whose
-      float32 logits fit a 256 MiB budget (`ops.logprobs.auto_chunk_size`).
+      float32 logits fit a 256 MiB budget (`ops.logprobs.auto_chunk_size`), at most a quarter
+      of the row. Only the loss mask's positions are projected onto the vocabulary: a chunk
+      past every row's count of them is skipped.
     """
     kind: str = "policy"
     agg: str = "token_mean"
@@ -91,6 +93,7 @@ class TrainStepConfig:
     loss: LossConfig = LossConfig()
     num_microbatches: int = 1
     remat: Optional[str] = "qkvo_saveable"
+    scan_layers: bool = True
 
     def __post_init__(self):
         if self.num_microbatches < 1:

@@ -31,15 +31,18 @@ from steprl_jax.training.forward import sequence_logprobs
 from steprl_jax.training.state import TrainState, merge_model
 
 
-def loss_sums(model, batch: Batch, cfg: LossConfig, remat: Optional[str] = None):
+def loss_sums(model, batch: Batch, cfg: LossConfig, remat: Optional[str] = None,
+              scan_layers: bool = True):
     """(loss_sum, metric_sums) of one (micro-)batch; the caller divides by the denominator."""
     want_entropy = cfg.entropy_coef > 0
-    out = sequence_logprobs(model, batch.tokens, attention_mask_bt=batch.attention_mask,
-                            temperature=cfg.temperature, chunk_size=cfg.logprob_chunk,
-                            with_entropy=want_entropy, remat=remat)
-    logp_bt, entropy_bt = out if want_entropy else (out, None)
     # Column 0 has no prediction; force it out even if a builder forgot.
     mask_bt = batch.loss_mask.astype(jnp.float32).at[:, 0].set(0.0)
+    # Log-probs only where the loss reads them (every term below is masked by mask_bt).
+    out = sequence_logprobs(model, batch.tokens, attention_mask_bt=batch.attention_mask,
+                            temperature=cfg.temperature, chunk_size=cfg.logprob_chunk,
+                            with_entropy=want_entropy, remat=remat, loss_mask_bt=mask_bt,
+                            scan_layers=scan_layers)
+    logp_bt, entropy_bt = out if want_entropy else (out, None)
     if cfg.kind == "sft":
         total = losses.agg_sum(-logp_bt, mask_bt, cfg.agg)
         metrics = {"token_count": jnp.sum(mask_bt),
@@ -77,7 +80,7 @@ def make_loss_and_grad(graphdef, cfg: TrainStepConfig, mesh: Optional[Mesh] = No
     def micro(params, rest, mb):
         if mesh is not None:
             mb = jax.lax.with_sharding_constraint(mb, _batch_shardings(mb, mesh, rules))
-        return loss_sums(merge_model(graphdef, params, rest), mb, lcfg, cfg.remat)
+        return loss_sums(merge_model(graphdef, params, rest), mb, lcfg, cfg.remat, cfg.scan_layers)
 
     grad_fn = jax.value_and_grad(micro, has_aux=True)
 
@@ -148,14 +151,16 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: TrainStepCo
 
 def make_logprob_fn(graphdef, *, temperature: float = 1.0, chunk_size: Optional[int] = None,
                     mesh: Optional[Mesh] = None, rules: dict = LOGICAL_AXIS_RULES):
-    """Jitted fn(params, rest, tokens, attention_mask) -> logp_bt [B, L], aligned like Batch:
-    recompute old log-probs or fill `ref_logp` from a frozen reference model's params
-    (`attention_mask` may be None). Inputs keep the shardings they were placed with; with a
+    """Jitted fn(params, rest, tokens, attention_mask, loss_mask=None) -> logp_bt [B, L],
+    aligned like Batch: recompute old log-probs or fill `ref_logp` from a frozen reference
+    model's params (`attention_mask` may be None; with `loss_mask` only the marked tokens are
+    computed, the others read 0). Inputs keep the shardings they were placed with; with a
     mesh the output is sharded over the data axes like a Batch."""
-    def fn(params, rest, tokens, attention_mask):
+    def fn(params, rest, tokens, attention_mask, loss_mask=None):
         model = merge_model(graphdef, params, rest)
         return sequence_logprobs(model, tokens, attention_mask_bt=attention_mask,
-                                 temperature=temperature, chunk_size=chunk_size)
+                                 temperature=temperature, chunk_size=chunk_size,
+                                 loss_mask_bt=loss_mask)
     if mesh is None:
         return jax.jit(fn)
     return jax.jit(fn, out_shardings=batch_sharding(mesh, rules))
