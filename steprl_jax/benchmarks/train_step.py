@@ -5,11 +5,12 @@
 One step = forward + backward + AdamW update of the clipped token-mean surrogate on a
 [batch, length] batch (random tokens, loss mask on the second half of each row, random
 advantages, old log-probs = current log-probs). Ours: `training.make_train_step` with bf16
-matmuls / float32 accumulation and float32 master weights. Reference: the transformers model
-loaded from the same GGUF, the same loss written in torch, torch.optim.AdamW, default float32.
+(or float32, `--compute-dtype`; auto picks by the measured matmul rates) matmul operands,
+float32 accumulation and float32 master weights. Reference: the transformers model loaded
+from the same GGUF, the same loss written in torch, torch.optim.AdamW, default float32.
 
-MFU = model FLOPs per second / the bf16-in, f32-accumulate matmul rate measured here, in this
-run just before our steps (model FLOPs: 6 x matmul parameters x tokens + causal-free attention 12 x L x B x T^2 x N x
+MFU = model FLOPs per second / the matmul rate of our compute dtype (f32 accumulation)
+measured here, in this run just before our steps (model FLOPs: 6 x matmul parameters x tokens + causal-free attention 12 x L x B x T^2 x N x
 H; recomputation not counted). Everything is timed in the same process; the PyTorch steps run
 before and after ours (median), so a change of load on a shared machine biases neither side.
 """
@@ -30,14 +31,14 @@ def _log(msg):
     print(msg, file=sys.stderr, flush=True)
 
 
-def measure_matmul_rate(reps: int = 5) -> float:
-    """Best bf16 x bf16 -> f32 matmul FLOP/s over a few transformer-like shapes."""
+def measure_matmul_rate(reps: int = 5, dtype: str = "bfloat16") -> float:
+    """Best `dtype` x `dtype` -> f32 matmul FLOP/s over a few transformer-like shapes."""
     import jax
     import jax.numpy as jnp
     best = 0.0
     for m, k, n in ((4096, 576, 1536), (4096, 1536, 576), (4096, 576, 4096)):
-        a = jnp.ones((m, k), jnp.bfloat16)
-        b = jnp.ones((k, n), jnp.bfloat16)
+        a = jnp.ones((m, k), dtype)
+        b = jnp.ones((k, n), dtype)
         f = jax.jit(lambda a, b: jnp.einsum("mk,kn->mn", a, b,
                                             preferred_element_type=jnp.float32))
         f(a, b).block_until_ready()
@@ -68,7 +69,7 @@ def synthetic_batch(batch: int, length: int, vocab: int, seed: int = 0):
 
 
 def bench_jax(batch, length, steps, chunk, microbatches=4, remat="qkvo_saveable",
-              compute_dtype="bfloat16", scan_layers=True):
+              compute_dtype="bfloat16"):
     import jax
     from steprl_jax.models import load_pretrained
     from steprl_jax.training import (LossConfig, OptimizerConfig, TrainStepConfig,
@@ -83,7 +84,7 @@ def bench_jax(batch, length, steps, chunk, microbatches=4, remat="qkvo_saveable"
     b = jax.device_put(make_batch(tokens, mask, adv, np.asarray(old)))
     step = make_train_step(graphdef, tx, TrainStepConfig(loss=LossConfig(
         agg="token_mean", eps_low=0.2, eps_high=0.28, logprob_chunk=chunk),
-        num_microbatches=microbatches, remat=remat, scan_layers=scan_layers))
+        num_microbatches=microbatches, remat=remat))
     _log(f"jax: model loaded; compiling the train step")
     t0 = time.perf_counter()
     state, m = step(state, b)
@@ -175,6 +176,10 @@ def main(argv=None):
     p.add_argument("--remat", default="qkvo_saveable",
                    help="the layers' rematerialisation policy (models.transformer.remat_policy), "
                         "or 'none' (keep every intermediate)")
+    p.add_argument("--compute-dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                   help="our matmul operand dtype; auto: bfloat16 where its measured matmul rate "
+                        "is at least 1.2x float32's (a CPU with bf16 dot instructions), else "
+                        "float32 (on a CPU without them bf16 only adds conversions)")
     p.add_argument("--skip-torch", action="store_true")
     p.add_argument("--torch-only", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -185,11 +190,16 @@ def main(argv=None):
     # PyTorch steps run in child processes before AND after ours (separate processes: the two
     # models never share memory), so a change of machine load biases neither side.
     torch_times = [] if a.skip_torch else _torch_child(a)
-    rate = measure_matmul_rate()
-    _log(f"bf16 matmul rate {rate / 1e12:.3f} TFLOP/s")
+    rates = {dt: measure_matmul_rate(dtype=dt) for dt in ("bfloat16", "float32")}
+    _log(f"matmul rates (TFLOP/s): bf16 {rates['bfloat16'] / 1e12:.3f}, "
+         f"f32 {rates['float32'] / 1e12:.3f}")
+    dtype = a.compute_dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if rates["bfloat16"] >= 1.2 * rates["float32"] else "float32"
+    rate = rates[dtype]
     remat = None if a.remat == "none" else a.remat
     cfg, jax_s, compile_s, clipfrac, loss = bench_jax(a.batch, a.length, a.steps, a.chunk,
-                                                         a.microbatches, remat)
+                                                         a.microbatches, remat, dtype)
     if not a.skip_torch:
         torch_times += _torch_child(a)
     torch_s = float(np.median(torch_times)) if torch_times else None
@@ -197,10 +207,12 @@ def main(argv=None):
     tokens = a.batch * a.length
     print(f"train step, SmolLM2-135M-Instruct, batch {a.batch} x {a.length} tokens "
           f"(forward + backward + AdamW)")
-    print(f"measured bf16-in/f32-acc matmul rate: {rate / 1e12:.3f} TFLOP/s; "
+    print(f"measured matmul rates (f32 accumulation): bf16 {rates['bfloat16'] / 1e12:.3f}, "
+          f"f32 {rates['float32'] / 1e12:.3f} TFLOP/s; MFU is against the {dtype} rate; "
           f"model FLOPs per step: {flops / 1e12:.2f} TFLOP")
     print(f"{'impl':<50}{'s/step':>9}{'tokens/s':>11}{'TFLOP/s':>9}{'MFU':>8}")
-    rows = [(f"steprl_jax (bf16, {a.microbatches} micro, remat {a.remat})", jax_s)]
+    short = {"bfloat16": "bf16", "float32": "f32"}[dtype]
+    rows = [(f"steprl_jax ({short}, {a.microbatches} micro, remat {a.remat})", jax_s)]
     if torch_s is not None:
         rows.append(("pytorch transformers (f32)", torch_s))
     for name, s in rows:

@@ -179,7 +179,7 @@ class Transformer(nnx.Module):
         return self.logits_from_hidden(hidden)
 
     def hidden_states(self, input_ids_bt, *, positions_bt=None, attention_mask_bt=None, segment_ids_bt=None,
-                      remat: Optional[str] = None, scan_layers: bool = True):
+                      remat: Optional[str] = None):
         """Final-normed hidden states [B, T, D] for a full sequence (no cache).
 
         `attention_mask_bt` (1 = real token) marks padding; it is never inferred
@@ -209,7 +209,7 @@ class Transformer(nnx.Module):
             & (segments_bt[:, :, None] == segments_bt[:, None, :])
         )
         x = self._embed(input_ids_bt)
-        x = self._run_layers(x, positions_bt, mask_bts, positions_bt, remat, scan_layers)
+        x = self._run_layers(x, positions_bt, mask_bts, positions_bt, remat)
         return self._final_norm(x)
 
     def extend(self, input_ids_bt, positions_bt, cache: KVCache, layer_params: Optional[tuple] = None):
@@ -277,9 +277,8 @@ class Transformer(nnx.Module):
         bias = lambda m: jnp.where(m, jnp.float32(0), jnp.float32(_MASKED))  # noqa: E731
         return (cos_g, sin_g, bias(mask_bts)), (cos_l, sin_l, bias(window_mask))
 
-    def _run_layers(self, x, q_pos_bt, mask_bts, key_pos_bs, remat: Optional[str] = None,
-                    scan_layers: bool = True):
-        """All layers under `lax.scan` over the stacked parameters, or unrolled (no cache)."""
+    def _run_layers(self, x, q_pos_bt, mask_bts, key_pos_bs, remat: Optional[str] = None):
+        """All layers under `lax.scan` over the stacked parameters (no cache)."""
         c = self.config
         dtype = jnp.dtype(c.compute_dtype)
         global_, local = self._masks_and_ropes(q_pos_bt, mask_bts, key_pos_bs)
@@ -292,12 +291,7 @@ class Transformer(nnx.Module):
 
         if remat is not None:
             layer = jax.checkpoint(layer, policy=remat_policy(remat), prevent_cse=False)
-        stacked, sliding = self.layers.stacked(), jnp.asarray(c.layer_is_sliding)
-        if scan_layers:
-            x, _ = jax.lax.scan(layer, x, (stacked, sliding))
-            return x
-        for i in range(c.num_layers):
-            x, _ = layer(x, ({name: w[i] for name, w in stacked.items()}, sliding[i]))
+        x, _ = jax.lax.scan(layer, x, (self.layers.stacked(), jnp.asarray(c.layer_is_sliding)))
         return x
 
     def _run_layers_cached(self, x, q_pos_bt, mask_bts, key_pos_bs, cache: KVCache, layer_params: tuple):

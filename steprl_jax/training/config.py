@@ -93,7 +93,6 @@ class TrainStepConfig:
     loss: LossConfig = LossConfig()
     num_microbatches: int = 1
     remat: Optional[str] = "qkvo_saveable"
-    scan_layers: bool = True
 
     def __post_init__(self):
         if self.num_microbatches < 1:

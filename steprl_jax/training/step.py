@@ -31,8 +31,7 @@ from steprl_jax.training.forward import sequence_logprobs
 from steprl_jax.training.state import TrainState, merge_model
 
 
-def loss_sums(model, batch: Batch, cfg: LossConfig, remat: Optional[str] = None,
-              scan_layers: bool = True):
+def loss_sums(model, batch: Batch, cfg: LossConfig, remat: Optional[str] = None):
     """(loss_sum, metric_sums) of one (micro-)batch; the caller divides by the denominator."""
     want_entropy = cfg.entropy_coef > 0
     # Column 0 has no prediction; force it out even if a builder forgot.
@@ -40,8 +39,7 @@ def loss_sums(model, batch: Batch, cfg: LossConfig, remat: Optional[str] = None,
     # Log-probs only where the loss reads them (every term below is masked by mask_bt).
     out = sequence_logprobs(model, batch.tokens, attention_mask_bt=batch.attention_mask,
                             temperature=cfg.temperature, chunk_size=cfg.logprob_chunk,
-                            with_entropy=want_entropy, remat=remat, loss_mask_bt=mask_bt,
-                            scan_layers=scan_layers)
+                            with_entropy=want_entropy, remat=remat, loss_mask_bt=mask_bt)
     logp_bt, entropy_bt = out if want_entropy else (out, None)
     if cfg.kind == "sft":
         total = losses.agg_sum(-logp_bt, mask_bt, cfg.agg)
@@ -80,7 +78,7 @@ def make_loss_and_grad(graphdef, cfg: TrainStepConfig, mesh: Optional[Mesh] = No
     def micro(params, rest, mb):
         if mesh is not None:
             mb = jax.lax.with_sharding_constraint(mb, _batch_shardings(mb, mesh, rules))
-        return loss_sums(merge_model(graphdef, params, rest), mb, lcfg, cfg.remat, cfg.scan_layers)
+        return loss_sums(merge_model(graphdef, params, rest), mb, lcfg, cfg.remat)
 
     grad_fn = jax.value_and_grad(micro, has_aux=True)
 
