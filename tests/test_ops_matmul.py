@@ -109,6 +109,17 @@ def test_projection_weight_gradient_transposes_the_activation():
                for e in eqns)
 
 
+def test_projection_gradients_come_back_in_the_inputs_dtypes():
+    from steprl_jax.ops.matmul import projection
+    x = jnp.ones((4, 8), jnp.float32)
+    w = jnp.ones((8, 6), jnp.bfloat16)
+    dx, dw = jax.grad(lambda x, w: jnp.sum(projection("bd,df->bf", x, w, jnp.bfloat16)),
+                      (0, 1))(x, w)
+    assert dx.dtype == jnp.float32 and dw.dtype == jnp.bfloat16
+    np.testing.assert_allclose(dx, 6.0)
+    np.testing.assert_allclose(dw.astype(jnp.float32), 4.0)
+
+
 def test_projection_refuses_a_batch_index():
     from steprl_jax.ops.matmul import projection
     with pytest.raises(ValueError, match="batch index"):

@@ -10,10 +10,12 @@ from flax import nnx
 
 from steprl_jax.models import ModelConfig, Transformer
 from steprl_jax.models.sharding import make_mesh
+from steprl_jax.ops import losses
 from steprl_jax.ops.losses import AGG_MODES
 from steprl_jax.training.batch import make_batch, validate_batch
 from steprl_jax.training.checkpoint import Checkpointer
 from steprl_jax.training.config import LossConfig, OptimizerConfig, TrainStepConfig
+from steprl_jax.training.forward import sequence_logprobs
 from steprl_jax.training.optimizer import lr_schedule, make_optimizer
 from steprl_jax.training.state import create_train_state, merge_model
 from steprl_jax.training.step import make_logprob_fn, make_loss_and_grad, make_train_step
@@ -229,7 +231,6 @@ def test_checkpoint_resume_is_bit_identical(tmp_path):
 def test_loss_mask_positions_only_change_nothing():
     """The train step projects only loss positions onto the vocabulary: loss and gradients
     equal a full-logits computation."""
-    from steprl_jax.training.forward import sequence_logprobs
     graphdef, params, rest = nnx.split(Transformer(CFG.replace(num_layers=3), rngs=nnx.Rngs(2)),
                                        nnx.Param, ...)
     batch = jax.tree.map(jnp.asarray, _batch())
@@ -240,7 +241,6 @@ def test_loss_mask_positions_only_change_nothing():
         model = merge_model(graphdef, params, rest)
         logp, ent = sequence_logprobs(model, batch.tokens, attention_mask_bt=batch.attention_mask,
                                       with_entropy=True)
-        from steprl_jax.ops import losses
         total, denom, _ = losses.policy_loss(logp, batch.old_logp, batch.advantages, mask,
                                              eps_low=0.2, eps_high=0.28)
         total = total - 0.01 * losses.agg_sum(ent, mask, "token_mean")

@@ -10,8 +10,8 @@ float32 accumulation and float32 master weights. Reference: the transformers mod
 from the same GGUF, the same loss written in torch, torch.optim.AdamW, default float32.
 
 MFU = model FLOPs per second / the matmul rate of our compute dtype (f32 accumulation)
-measured here, in this run just before our steps (model FLOPs: 6 x matmul parameters x tokens + causal-free attention 12 x L x B x T^2 x N x
-H; recomputation not counted). Everything is timed in the same process; the PyTorch steps run
+measured here, in this run just before our steps (model FLOPs: 6 x matmul parameters x tokens
++ causal-free attention 12 x L x B x T^2 x N x H; recomputation not counted). Everything is timed in the same process; the PyTorch steps run
 before and after ours (median), so a change of load on a shared machine biases neither side.
 """
 from __future__ import annotations

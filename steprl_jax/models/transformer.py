@@ -8,9 +8,8 @@ Cached passes (`extend`: prefill, continue, decode) run the layers unrolled over
 KV cache, so that each layer reads and updates its cache buffer in place (see `KVCache`).
 
 Activations stay float32; every matmul goes through `projection` (weights) or `_mm`
-(attention), which cast their inputs
-to the compute dtype and accumulates in float32 (bf16-in/f32-out is the fast
-path on CPU and TPU; float32 is exact for parity tests).
+(attention), which cast their inputs to the compute dtype and accumulate in float32
+(bf16-in/f32-out is the fast path on CPU and TPU; float32 is exact for parity tests).
 
 Shapes: B batch, T query length, S key length (cache slots), D hidden, N query
 heads, K kv heads, G = N // K, H head dim, F mlp width, V vocab, L layers.

@@ -163,19 +163,44 @@ def token_logprobs(hidden_btd: jax.Array, unembed_vd: jax.Array, targets_bt: jax
       logp_bt float32 [B, T], or (logp_bt, entropy_bt) when `with_entropy`.
     """
     _check_inputs(hidden_btd, unembed_vd, targets_bt, temperature, final_softcap, chunk_size)
-    b, t, d = hidden_btd.shape
-    if where_bt is not None:
-        if tuple(where_bt.shape) != (b, t):
-            raise ValueError(f"where_bt shape {tuple(where_bt.shape)} does not match "
-                             f"hidden_btd batch/length {(b, t)}")
+    b, t, _ = hidden_btd.shape
+
+    def stats(hidden_bcd, targets_bc):
+        return _chunk_stats(hidden_bcd, targets_bc, unembed_vd, temperature, final_softcap,
+                            compute_dtype, with_entropy)
+
+    if where_bt is None:
         if chunk_size is None:
-            chunk_size = min(auto_chunk_size(b, t, unembed_vd.shape[0]), max(16, t // 4))
-        return _wanted_logprobs(hidden_btd, unembed_vd, targets_bt, where_bt.astype(bool),
-                                temperature, final_softcap, int(chunk_size), with_entropy,
-                                compute_dtype)
+            chunk_size = auto_chunk_size(b, t, unembed_vd.shape[0])
+        logp_bt, entropy_bt = _chunked(stats, hidden_btd, targets_bt, int(chunk_size))
+        return (logp_bt, entropy_bt) if with_entropy else logp_bt
+    if tuple(where_bt.shape) != (b, t):
+        raise ValueError(f"where_bt shape {tuple(where_bt.shape)} does not match "
+                         f"hidden_btd batch/length {(b, t)}")
     if chunk_size is None:
-        chunk_size = auto_chunk_size(b, t, unembed_vd.shape[0])
-    c = min(int(chunk_size), t)
+        chunk_size = min(auto_chunk_size(b, t, unembed_vd.shape[0]), max(16, t // 4))
+    where_bt = jnp.asarray(where_bt).astype(bool)
+    # Wanted positions first, in their order (a stable sort of 0/1 keys); integer work only.
+    order_bt = jnp.argsort(jnp.logical_not(where_bt), axis=1, stable=True).astype(jnp.int32)
+    inverse_bt = jnp.argsort(order_bt, axis=1).astype(jnp.int32)
+    counts_b = jnp.sum(where_bt, axis=1)
+    logp_bt, entropy_bt = _chunked(stats, _take_rows(hidden_btd, order_bt, inverse_bt),
+                                   jnp.take_along_axis(targets_bt, order_bt, axis=1),
+                                   int(chunk_size), count=jnp.max(counts_b))
+    kept_bt = jnp.arange(t)[None, :] < counts_b[:, None]  # the sorted rows' wanted prefix
+
+    def unsort(x_bt):
+        return _take_rows(jnp.where(kept_bt, x_bt, 0.0), inverse_bt, order_bt)
+
+    return (unsort(logp_bt), unsort(entropy_bt)) if with_entropy else unsort(logp_bt)
+
+
+def _chunked(stats, hidden_btd, targets_bt, chunk_size: int, count=None):
+    """`stats(hidden_bcd, targets_bc) -> (logp_bc, entropy_bc)` over chunks of `chunk_size`
+    positions, each under `jax.checkpoint` (one chunk's logits live at a time, forward and
+    backward). With `count`, a chunk starting at or past position `count` is skipped (0)."""
+    b, t, d = hidden_btd.shape
+    c = min(chunk_size, t)
     n_chunks = -(-t // c)
     pad = n_chunks * c - t
     if pad:
@@ -184,68 +209,24 @@ def token_logprobs(hidden_btd: jax.Array, unembed_vd: jax.Array, targets_bt: jax
     # [n_chunks, B, c, ...]: scan over the chunk axis, batch axis untouched.
     hidden_nbcd = jnp.moveaxis(hidden_btd.reshape(b, n_chunks, c, d), 1, 0)
     targets_nbc = jnp.moveaxis(targets_bt.reshape(b, n_chunks, c), 1, 0)
+    starts_n = jnp.arange(n_chunks, dtype=jnp.int32) * c
 
-    @jax.checkpoint
-    def body(hidden_bcd, targets_bc):
-        return _chunk_stats(hidden_bcd, targets_bc, unembed_vd, temperature, final_softcap,
-                            compute_dtype, with_entropy)
-
-    if n_chunks == 1:
-        logp_nbc, ent_nbc = jax.tree.map(lambda x: x[None], body(hidden_nbcd[0], targets_nbc[0]))
-    else:
-        _, (logp_nbc, ent_nbc) = jax.lax.scan(
-            lambda carry, xs: (carry, body(*xs)), None, (hidden_nbcd, targets_nbc))
-    logp_bt = jnp.moveaxis(logp_nbc, 0, 1).reshape(b, n_chunks * c)[:, :t]
-    if not with_entropy:
-        return logp_bt
-    entropy_bt = jnp.moveaxis(ent_nbc, 0, 1).reshape(b, n_chunks * c)[:, :t]
-    return logp_bt, entropy_bt
-
-
-def _wanted_logprobs(hidden_btd, unembed_vd, targets_bt, where_bt, temperature, final_softcap,
-                     chunk_size, with_entropy, compute_dtype):
-    """`token_logprobs` at the positions `where_bt` only (0 elsewhere), skipping the chunks
-    that hold none of them after each row's wanted positions are moved to its front."""
-    b, t, d = hidden_btd.shape
-    c = min(chunk_size, t)
-    n_chunks = -(-t // c)
-    pad = n_chunks * c - t
-    if pad:
-        hidden_btd = jnp.pad(hidden_btd, ((0, 0), (0, pad), (0, 0)))
-        targets_bt = jnp.pad(targets_bt, ((0, 0), (0, pad)))
-        where_bt = jnp.pad(where_bt, ((0, 0), (0, pad)))
-    # Wanted positions first, in their order (a stable sort of 0/1 keys); integer work only.
-    order_bt = jnp.argsort(jnp.logical_not(where_bt), axis=1, stable=True).astype(jnp.int32)
-    inverse_bt = jnp.argsort(order_bt, axis=1).astype(jnp.int32)
-    count = jnp.max(jnp.sum(where_bt, axis=1))  # the longest row's count decides the chunks
-    hidden_nbcd = jnp.moveaxis(_take_rows(hidden_btd, order_bt, inverse_bt)
-                               .reshape(b, n_chunks, c, d), 1, 0)
-    targets_nbc = jnp.moveaxis(jnp.take_along_axis(targets_bt, order_bt, axis=1)
-                               .reshape(b, n_chunks, c), 1, 0)
+    def skip(hidden_bcd, targets_bc):
+        zeros = jnp.zeros(targets_bc.shape, jnp.float32)
+        return zeros, zeros
 
     @jax.checkpoint
     def body(hidden_bcd, targets_bc, start):
-        def compute(h, y):
-            return _chunk_stats(h, y, unembed_vd, temperature, final_softcap, compute_dtype,
-                                with_entropy)
+        if count is None:
+            return stats(hidden_bcd, targets_bc)
+        return jax.lax.cond(start < count, stats, skip, hidden_bcd, targets_bc)
 
-        def skip(h, y):
-            zeros = jnp.zeros(y.shape, jnp.float32)
-            return zeros, zeros
-
-        return jax.lax.cond(start < count, compute, skip, hidden_bcd, targets_bc)
-
-    starts = jnp.arange(n_chunks, dtype=jnp.int32) * c
-    _, (logp_nbc, ent_nbc) = jax.lax.scan(lambda carry, xs: (carry, body(*xs)), None,
-                                          (hidden_nbcd, targets_nbc, starts))
-    keep_bt = jnp.take_along_axis(where_bt, order_bt, axis=1)
-
-    def unsort(x_nbc):
-        x_bt = jnp.where(keep_bt, jnp.moveaxis(x_nbc, 0, 1).reshape(b, n_chunks * c), 0.0)
-        return _take_rows(x_bt, inverse_bt, order_bt)[:, :t]
-
-    logp_bt = unsort(logp_nbc)
-    return (logp_bt, unsort(ent_nbc)) if with_entropy else logp_bt
+    if n_chunks == 1:
+        out_nbc = jax.tree.map(lambda x: x[None], body(hidden_nbcd[0], targets_nbc[0], starts_n[0]))
+    else:
+        _, out_nbc = jax.lax.scan(lambda carry, xs: (carry, body(*xs)), None,
+                                  (hidden_nbcd, targets_nbc, starts_n))
+    return tuple(jnp.moveaxis(x, 0, 1).reshape(b, n_chunks * c)[:, :t] for x in out_nbc)
 
 
 def naive_token_logprobs(hidden_btd, unembed_vd, targets_bt, *, temperature=1.0,

@@ -116,29 +116,31 @@ def projection(eq: str, x: jax.Array, w: jax.Array, compute_dtype=jnp.float32) -
         count(x_free), count(summed))
     w_kn = jnp.transpose(w, [ws.index(c) for c in summed + w_free]).reshape(
         count(summed), count(w_free))
-    y = _matmul_2d(x_mk, w_kn, jnp.dtype(compute_dtype)).reshape(
-        [size[c] for c in x_free + w_free])
+    dtypes = (jnp.dtype(compute_dtype), x.dtype, w.dtype)
+    y = _matmul_2d(x_mk, w_kn, dtypes).reshape([size[c] for c in x_free + w_free])
     return jnp.transpose(y, [(x_free + w_free).index(c) for c in os_])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _matmul_2d(x_mk, w_kn, dtype):
-    return jnp.dot(x_mk.astype(dtype), w_kn.astype(dtype), preferred_element_type=jnp.float32)
+def _matmul_2d(x_mk, w_kn, dtypes):
+    """x @ w with `dtypes = (compute, x's, w's)`: compute-dtype operands, float32 result;
+    the gradients are accumulated in float32 and returned in x's and w's own dtypes."""
+    compute = dtypes[0]
+    return jnp.dot(x_mk.astype(compute), w_kn.astype(compute), preferred_element_type=jnp.float32)
 
 
-def _matmul_2d_fwd(x_mk, w_kn, dtype):
-    x_c, w_c = x_mk.astype(dtype), w_kn.astype(dtype)
-    # The zero-size arrays carry the inputs' dtypes to the backward (residuals are arrays).
-    like = (jnp.zeros((0,), x_mk.dtype), jnp.zeros((0,), w_kn.dtype))
-    return jnp.dot(x_c, w_c, preferred_element_type=jnp.float32), (x_c, w_c, like)
+def _matmul_2d_fwd(x_mk, w_kn, dtypes):
+    x_c, w_c = x_mk.astype(dtypes[0]), w_kn.astype(dtypes[0])
+    return jnp.dot(x_c, w_c, preferred_element_type=jnp.float32), (x_c, w_c)
 
 
-def _matmul_2d_bwd(dtype, res, g_mn):
-    x_c, w_c, (x_like, w_like) = res
-    g_c = g_mn.astype(dtype)
+def _matmul_2d_bwd(dtypes, res, g_mn):
+    compute, x_dtype, w_dtype = dtypes
+    x_c, w_c = res
+    g_c = g_mn.astype(compute)
     dx = jnp.dot(g_c, jnp.transpose(w_c), preferred_element_type=jnp.float32)
     dw = jnp.dot(jnp.transpose(x_c), g_c, preferred_element_type=jnp.float32)
-    return dx.astype(x_like.dtype), dw.astype(w_like.dtype)
+    return dx.astype(x_dtype), dw.astype(w_dtype)
 
 
 _matmul_2d.defvjp(_matmul_2d_fwd, _matmul_2d_bwd)
