@@ -178,12 +178,17 @@ class Transformer(nnx.Module):
         return self.logits_from_hidden(hidden)
 
     def hidden_states(self, input_ids_bt, *, positions_bt=None, attention_mask_bt=None, segment_ids_bt=None,
-                      remat: Optional[str] = None):
+                      branch_ids_bt=None, remat: Optional[str] = None):
         """Final-normed hidden states [B, T, D] for a full sequence (no cache).
 
         `attention_mask_bt` (1 = real token) marks padding; it is never inferred
         from token ids. `segment_ids_bt` separates packed sequences. Positions
         default to the count of real tokens before each token (within its segment).
+
+        `branch_ids_bt` packs several continuations of one shared prefix into a row: branch 0
+        is the prefix, and a token of branch g > 0 sees (causally) branch 0 and its own branch
+        only, never a sibling. Pass `positions_bt` with it (each branch continues the prefix's
+        positions): the row then computes exactly what one row per branch would.
 
         `remat` names the rematerialisation policy applied to each layer for the backward pass
         (see `remat_policy`: e.g. "nothing_saveable" keeps only each layer's input and
@@ -207,6 +212,10 @@ class Transformer(nnx.Module):
             & valid_bt[:, None, :]
             & (segments_bt[:, :, None] == segments_bt[:, None, :])
         )
+        if branch_ids_bt is not None:
+            branch_bt = jnp.asarray(branch_ids_bt, jnp.int32)
+            mask_bts = mask_bts & ((branch_bt[:, None, :] == 0)
+                                   | (branch_bt[:, :, None] == branch_bt[:, None, :]))
         x = self._embed(input_ids_bt)
         x = self._run_layers(x, positions_bt, mask_bts, positions_bt, remat)
         return self._final_norm(x)

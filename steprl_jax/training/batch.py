@@ -5,6 +5,10 @@ Token alignment: column t of every per-token array refers to token `tokens[b, t]
 token it sampled). Column 0 has no prediction, so `loss_mask[:, 0]` must be 0. Tool-response,
 prompt and padding tokens have `loss_mask` 0. `attention_mask` (1 = real token) marks padding
 for the model; None means every token is real.
+
+Shared-prefix rows (training/pack.py): `positions` and `branch_ids` pack a prefix (branch 0)
+and its continuations (branches 1..G) into one row; each branch starts with a copy of the
+prefix's last token, so the next-token alignment above holds inside every branch.
 """
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ class Batch:
     old_logp: jax.Array                    # float32 [B, L], sampling log-probs (ignored by SFT)
     ref_logp: Optional[jax.Array] = None   # float32 [B, L], for the KL penalty
     attention_mask: Optional[jax.Array] = None  # int32/bool [B, L]
+    positions: Optional[jax.Array] = None  # int32 [B, L], None: counted from the start
+    branch_ids: Optional[jax.Array] = None  # int32 [B, L], 0 = shared prefix, g > 0 = branch g
 
     @property
     def shape(self):
@@ -32,17 +38,18 @@ class Batch:
 
 
 def make_batch(tokens, loss_mask, advantages=None, old_logp=None, ref_logp=None,
-               attention_mask=None) -> Batch:
+               attention_mask=None, positions=None, branch_ids=None) -> Batch:
     """Build a Batch of NumPy arrays with the right dtypes (zeros for omitted advantages/logp)."""
     tokens = np.asarray(tokens, np.int32)
     zeros = np.zeros(tokens.shape, np.float32)
     f32 = lambda x: None if x is None else np.asarray(x, np.float32)
+    i32 = lambda x: None if x is None else np.asarray(x, np.int32)
     return Batch(tokens=tokens, loss_mask=f32(loss_mask),
                  advantages=zeros if advantages is None else f32(advantages),
                  old_logp=zeros if old_logp is None else f32(old_logp),
                  ref_logp=f32(ref_logp),
-                 attention_mask=None if attention_mask is None else np.asarray(attention_mask,
-                                                                              np.int32))
+                 attention_mask=i32(attention_mask), positions=i32(positions),
+                 branch_ids=i32(branch_ids))
 
 
 def validate_batch(batch: Batch, *, vocab_size: Optional[int] = None,
@@ -52,7 +59,8 @@ def validate_batch(batch: Batch, *, vocab_size: Optional[int] = None,
     tokens = np.asarray(batch.tokens)
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be [batch, length], got shape {tokens.shape}")
-    for name in ("loss_mask", "advantages", "old_logp", "ref_logp", "attention_mask"):
+    for name in ("loss_mask", "advantages", "old_logp", "ref_logp", "attention_mask", "positions",
+                 "branch_ids"):
         value = getattr(batch, name)
         if value is None:
             continue

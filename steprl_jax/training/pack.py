@@ -1,0 +1,124 @@
+"""The one row packer every batch builder uses: token spans -> a fixed-shape `Batch`.
+
+A row is a shared prefix (branch 0) and zero or more branches that continue it:
+
+    Row(prefix=[Span(prompt), Span(a_1, loss=True, logprobs=...), Span(o_1), ...])   # SFT, a trajectory
+    Row(prefix=[Span(state)], branches=[[Span(a_g, loss=True, logprobs=lp_g, advantage=A_g)]
+                                        for g in range(G)])                           # SWiRL stage 2, GRPO
+
+With branches, the row is laid out as `prefix[:-1] | prefix[-1] a_1 | prefix[-1] a_2 | ...`:
+each branch starts with its own copy of the prefix's last token, at the prefix's last
+position, and sees (branch ids, `Transformer.hidden_states`) the prefix and itself only. So
+the usual next-token alignment holds inside every branch and the row computes exactly what G
+rows `prefix + a_g` compute, with the prefix's tokens run once instead of G times.
+
+Shapes are bounded: the row length is rounded up to a bucket (`sampling.params.bucket`), and
+the number of rows to a multiple of micro-batches x data shards (and to `min_rows`) with
+empty padding rows, so a run compiles a handful of train-step programs.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import numpy as np
+
+from steprl_jax.sampling.params import bucket
+from steprl_jax.training.batch import Batch, make_batch
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """Consecutive tokens of one kind. `loss`: trained tokens (an action); `logprobs`: the
+    log-probs they were sampled with (one per token; required for policy losses); `advantage`:
+    one value for every token of the span."""
+
+    ids: Sequence[int]
+    loss: bool = False
+    logprobs: Optional[Sequence[float]] = None
+    advantage: float = 0.0
+
+    def __post_init__(self):
+        if self.logprobs is not None and len(self.logprobs) != len(self.ids):
+            raise ValueError(f"a span of {len(self.ids)} tokens has {len(self.logprobs)} log-probs")
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    prefix: Sequence[Span]
+    branches: Sequence[Sequence[Span]] = ()
+
+    def flat(self):
+        """(ids, loss, logprobs, advantages, positions, branch ids) as lists, in row order."""
+        out = ([], [], [], [], [], [])
+
+        def put(span: Span, branch: int, start_pos: int, ids=None):
+            ids = list(span.ids if ids is None else ids)
+            lp = list(span.logprobs) if span.logprobs is not None else [0.0] * len(ids)
+            out[0].extend(ids)
+            out[1].extend([float(span.loss)] * len(ids))
+            out[2].extend(lp[:len(ids)])
+            out[3].extend([float(span.advantage) if span.loss else 0.0] * len(ids))
+            out[4].extend(range(start_pos, start_pos + len(ids)))
+            out[5].extend([branch] * len(ids))
+            return start_pos + len(ids)
+
+        prefix = [s for s in self.prefix if len(s.ids)]
+        if not prefix:
+            raise ValueError("a row needs a non-empty prefix")
+        if not self.branches:
+            pos = 0
+            for span in prefix:
+                pos = put(span, 0, pos)
+            return out
+        if prefix[-1].loss:
+            raise ValueError("a row with branches needs a prefix that ends in a non-loss span")
+        last = prefix[-1].ids[-1]
+        pos = 0
+        for span in prefix[:-1]:
+            pos = put(span, 0, pos)
+        pos = put(prefix[-1], 0, pos, ids=list(prefix[-1].ids)[:-1])
+        for g, branch in enumerate(self.branches, start=1):
+            start = put(Span([last]), g, pos)
+            for span in branch:
+                start = put(span, g, start)
+        return out
+
+    def __len__(self) -> int:
+        prefix = sum(len(s.ids) for s in self.prefix)
+        return prefix + sum(1 + sum(len(s.ids) for s in b) for b in self.branches)
+
+
+def pack(rows: Sequence[Row], *, num_microbatches: int = 1, num_data_shards: int = 1,
+         min_rows: int = 0, min_length: int = 64, max_length: Optional[int] = None,
+         pad_id: int = 0) -> Batch:
+    """A `Batch` of NumPy arrays with one packed row per `Row` (plus padding rows).
+
+    A row longer than `max_length` is an error naming it (the caller chose the context).
+    """
+    if not rows:
+        raise ValueError("pack: no rows")
+    flats = [row.flat() for row in rows]
+    longest = max(len(f[0]) for f in flats)
+    if max_length is not None and longest > max_length:
+        worst = max(range(len(flats)), key=lambda i: len(flats[i][0]))
+        raise ValueError(f"pack: row {worst} has {longest} tokens, more than max_length {max_length}")
+    length = bucket(longest, min_length)
+    multiple = num_microbatches * num_data_shards
+    n = -(-max(len(rows), min_rows) // multiple) * multiple
+    tokens = np.full((n, length), pad_id, np.int32)
+    attention = np.zeros((n, length), np.int32)
+    loss = np.zeros((n, length), np.float32)
+    logp = np.zeros((n, length), np.float32)
+    adv = np.zeros((n, length), np.float32)
+    positions = np.zeros((n, length), np.int32)
+    branches = np.zeros((n, length), np.int32)
+    for r, (ids, lm, lp, ad, pos, br) in enumerate(flats):
+        k = len(ids)
+        tokens[r, :k], attention[r, :k], loss[r, :k] = ids, 1, lm
+        logp[r, :k], adv[r, :k], positions[r, :k], branches[r, :k] = lp, ad, pos, br
+        positions[r, k:] = pos[-1] + 1 + np.arange(length - k)  # padding: past the row's tokens
+    loss[:, 0] = 0.0  # column 0 has no prediction
+    shared = any(row.branches for row in rows)
+    return make_batch(tokens, loss, adv, logp, attention_mask=attention,
+                      positions=positions if shared else None, branch_ids=branches if shared else None)
