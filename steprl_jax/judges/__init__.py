@@ -20,3 +20,10 @@ __all__ = [
     "TrajectoryItem", "TrajectoryVerdictJudge", "Verdict", "build_backend", "build_judge", "majority", "outcome_item",
     "parse_label", "step_items", "step_messages", "trajectory_item",
 ]
+
+# SWiRL's stage-2 reward model R(a | s): rule | local | http, binary or graded.
+from steprl_jax.judges.rewards import (ModelRewardModel, Reward, RewardItem, RewardModel, RewardStats,  # noqa: E402
+                                       RuleRewardModel, build_reward_model)
+
+__all__ += ["ModelRewardModel", "Reward", "RewardItem", "RewardModel", "RewardStats", "RuleRewardModel",
+            "build_reward_model"]

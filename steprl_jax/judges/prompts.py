@@ -158,3 +158,74 @@ def trajectory_messages(question: str, trajectory: History, reference: Any = Non
                                       trajectory=render_history(trajectory, max_trajectory_chars),
                                       reference_block=reference_block, true_basis=true_basis)
     return [{"role": "system", "content": TRAJECTORY_SYSTEM}, {"role": "user", "content": user}]
+
+
+# ------------------------------------------------------------------ SWiRL's reward model R(a | s)
+# The stage-2 reward prompt (METHODS.md 1.4): the question, the state and a freshly sampled action;
+# never a golden answer (no parameter could carry one). Binary asks for GOOD/BAD, graded for 0-10.
+REWARD_SYSTEM = (
+    "You are a careful reviewer of an AI agent that solves tasks step by step with tools. "
+    "You rate one proposed next step given what came before, not whether the task ends up solved.")
+REWARD_TEMPLATE = """The agent is working on this question:
+<question>
+{question}
+</question>
+
+Everything the agent has done so far (its earlier actions and what the tools returned):
+<history>
+{history}
+</history>
+
+The agent's proposed next action:
+<action>
+{action}
+</action>
+
+A good next step makes progress or gathers information that is plausibly needed, uses exactly one tool \
+sensibly or gives a final answer the history supports, repeats nothing already done, and does not \
+contradict what the tools already returned. Do not try to solve the question yourself; judge only the step.
+{instruction}"""
+REWARD_INSTRUCTIONS = {
+    "binary": 'Think briefly, then end with a final line of exactly "Verdict: GOOD" or "Verdict: BAD".',
+    "graded": ("Think briefly, then rate the step from 0 (useless or wrong) to 10 (clearly the right next step) "
+               'and end with a final line of exactly "Score: N", where N is a whole number from 0 to 10.'),
+}
+
+
+import re  # noqa: E402  (this section is appended; the imports above are left as they were)
+
+# Chat-template markup that closes the user's turn and opens the assistant's (ChatML, Llama 3, Gemma).
+_TURN_MARKUP = re.compile(r"(?:\s*(?:<\|[^|<>\n]{1,40}\|>|</?(?:start|end)_of_turn>)\s*(?:assistant|model)?)*\s*")
+
+
+def state_since_question(question: str, state: History) -> History:
+    """The agent's part of a state: what follows the question.
+
+    A SWiRL state text is the whole prompt (system prompt, worked examples, the question) followed by the
+    agent's actions and observations; the text after the last occurrence of the question is returned,
+    without the chat-template markup that ends the user's turn (e.g. `<|im_end|>\n<|im_start|>assistant`),
+    or the whole text when the question does not occur in it. For chat messages: those after the last
+    user message (all of them when there is none).
+    """
+    if isinstance(state, str):
+        key = str(question).strip()
+        at = state.rfind(key) if key else -1
+        if at < 0:
+            return state
+        rest = state[at + len(key):]
+        return rest[_TURN_MARKUP.match(rest).end():]
+    messages = list(state)
+    users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
+    return messages[users[-1] + 1:] if users else messages
+
+
+def reward_messages(question: str, state: History, action: str, scale: str = "binary",
+                    max_state_chars: int | None = None) -> list[dict]:
+    """The reward prompt: question, the agent's part of the state (`state_since_question`), the sampled
+    action, and the GOOD/BAD ("binary") or 0-10 ("graded") instruction. No golden answer."""
+    if scale not in REWARD_INSTRUCTIONS:
+        raise ValueError(f"reward scale must be one of {sorted(REWARD_INSTRUCTIONS)}, got {scale!r}")
+    user = REWARD_TEMPLATE.format(question=str(question).strip(),
+                                  history=render_history(state_since_question(question, state), max_state_chars),
+                                  action=str(action).strip() or "(empty)", instruction=REWARD_INSTRUCTIONS[scale])
+    return [{"role": "system", "content": REWARD_SYSTEM}, {"role": "user", "content": user}]
