@@ -8,6 +8,7 @@ from ml_collections import ConfigDict
 
 def get_config(arg=None):
     c = ConfigDict()
+    c.job = "evaluate"  # evaluate | swirl
     c.workdir = "runs/demo"
     c.seed = 0
     # float32 on CPU, the setting every recorded demo run used. bf16 decodes faster at batch >= 8

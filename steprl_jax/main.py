@@ -1,11 +1,11 @@
 """Entry point: python -m steprl_jax.main --config=configs/X.py [--config.a.b=value ...]
 
-Runs agent episodes (sequential trajectories or PORTool trees) with live tools, judges
-them, and writes into `config.workdir`:
+`config.job` picks the job:
 
-    trajectories.jsonl   token-exact records (resumable: finished tasks are skipped)
-    metrics.json         accuracy, mean steps, terminations, tool error rate, judge rates, tokens/s
-    summary.png          a one-page plot of the same
+    evaluate   agent episodes (trajectories or PORTool trees) with live tools, judged; writes
+               trajectories.jsonl (token-exact, resumable), metrics.json, summary.png
+    swirl      SWiRL end to end (algorithms/swirl.py): collect, judge, filter, offline step-wise RL,
+               SFT baseline, held-out evaluation (config.stages picks stages)
 """
 from __future__ import annotations
 
@@ -20,11 +20,27 @@ from ml_collections import config_flags
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/demo.py", "Experiment config (ml_collections).")
 
 
-def run(config) -> dict:
-    """Run the configured job; returns the metrics dict (also written to the workdir)."""
+def _evaluate(config) -> dict:
     from steprl_jax.evaluation import runner
 
     return runner.evaluate(config)
+
+
+def _swirl(config) -> dict:
+    from steprl_jax.algorithms import swirl
+
+    return swirl.run(config)
+
+
+JOBS = {"evaluate": _evaluate, "swirl": _swirl}
+
+
+def run(config) -> dict:
+    """Run the configured job; returns its summary (also written to the workdir)."""
+    job = config.get("job", "evaluate")
+    if job not in JOBS:
+        raise ValueError(f"config.job: unknown job {job!r}; valid jobs: {', '.join(sorted(JOBS))}")
+    return JOBS[job](config)
 
 
 def main(argv):
@@ -33,8 +49,9 @@ def main(argv):
     started = time.time()
     metrics = run(_CONFIG.value)
     print(f"done in {time.time() - started:.1f} s; workdir {os.path.abspath(_CONFIG.value.workdir)}")
-    print({k: metrics[k] for k in ("episodes", "accuracy", "mean_steps", "tool_error_rate",
-                                   "process_good_rate", "tokens_per_s") if k in metrics})
+    if _CONFIG.value.get("job", "evaluate") == "evaluate":
+        print({k: metrics[k] for k in ("episodes", "accuracy", "mean_steps", "tool_error_rate",
+                                       "process_good_rate", "tokens_per_s") if k in metrics})
 
 
 if __name__ == "__main__":

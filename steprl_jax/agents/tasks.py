@@ -12,6 +12,7 @@ from typing import Callable
 
 from steprl_jax.agents.environments import TaggedEnv, Task, ToolCallEnv
 from steprl_jax.judges import rules
+from steprl_jax.judges.items import tool_failed
 from steprl_jax.tools.registry import ToolRegistry
 
 
@@ -28,7 +29,24 @@ def _select(items, config):
     return items[start:start + int(config.task.num_tasks)] if config.task.num_tasks else items[start:]
 
 
-def build_suite(config) -> TaskSuite:
+def split_config(config, split: str):
+    """`config` with `task` set for `split`: "train" is `task` itself; "test" (held-out
+    evaluation) takes `task.eval_path`, `task.eval_offset` and `task.eval_num_tasks` where set."""
+    config = config.copy_and_resolve_references()
+    with config.unlocked():
+        config.task.split = split
+        if split == "test" and "eval_path" in config.task:
+            if config.task.eval_path:
+                config.task.path = config.task.eval_path
+            config.task.offset = int(config.task.eval_offset)
+            config.task.num_tasks = int(config.task.eval_num_tasks)
+    return config
+
+
+def build_suite(config, split: str | None = None) -> TaskSuite:
+    """The tasks, environment and outcome rule of `config.task` (`split`: see `split_config`)."""
+    if split is not None:
+        config = split_config(config, split)
     name = config.task.name
     if name in ("arithmetic", "gsm8k"):
         tasks = _math_tasks(config)
@@ -59,10 +77,13 @@ def build_suite(config) -> TaskSuite:
 
 def _math_tasks(config) -> list[Task]:
     if config.task.name == "arithmetic":
-        from steprl_jax.data.arithmetic import arithmetic_problems
+        from steprl_jax.data.arithmetic import arithmetic_problems, arithmetic_split
 
         n = int(config.task.offset) + int(config.task.num_tasks or 32)
-        return [Task(p.id, p.question, p.answer) for p in _select(arithmetic_problems(n, seed=config.seed), config)]
+        problems = (arithmetic_split(config.task.split, n, seed=int(config.seed))
+                    if config.task.split in ("train", "test") and config.task.get("splits", False)
+                    else arithmetic_problems(n, seed=config.seed))
+        return [Task(p.id, p.question, p.answer) for p in _select(problems, config)]
     from steprl_jax.data.gsm8k import load_gsm8k
 
     if not config.task.path:
@@ -113,9 +134,7 @@ def _toolworld_suite(config) -> TaskSuite:
                       examples=_toolworld_examples(world, splits["train"], int(config.env.few_shot)))
 
     def outcome(task: Task, traj) -> str:
-        failed = any("error" in r and r["error"].get("type") == "tool_failure"
-                     for s in traj.steps for r in s.tool_results)
-        return rules.toolworld_outcome(traj.final_answer, task.reference, failed)
+        return rules.toolworld_outcome(traj.final_answer, task.reference, tool_failed(traj))
 
     return TaskSuite(tasks, env, outcome)
 
@@ -136,16 +155,3 @@ def _toolworld_examples(world, train_queries, k: int) -> list[list[dict]]:
 def _context_line(query) -> str:
     ctx = query.context
     return f"(The user is in {ctx.user_city}; the current time is {ctx.now_utc.isoformat()} UTC.)"
-
-
-def process_rule(task: Task, trajectory, step_index: int) -> rules.ProcessVerdict:
-    """The rule process judge for one SWiRL step: question + state so far + the action; no gold answer."""
-    from steprl_jax.agents.formats import parse_tagged_action
-
-    step = trajectory.steps[step_index]
-    context = "".join(s.action_text + s.observation_text for s in trajectory.steps[:step_index])
-    previous = [c["arguments"].get("query", "") for s in trajectory.steps[:step_index]
-                for c in s.tool_calls if c.get("name") == "search"]
-    parsed = parse_tagged_action(step.action_text)
-    return rules.judge_step(task.question, context, parsed.kind, parsed.content, previous)
-

@@ -51,13 +51,15 @@ def _templates():
 _NAMES = ("Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Goran", "Hana", "Ivo", "Jun")
 
 
-def arithmetic_problems(n: int = 32, seed: int = 0) -> list[ArithmeticProblem]:
-    """`n` problems, the same for the same seed."""
+def arithmetic_problems(n: int = 32, seed: int = 0, templates=None) -> list[ArithmeticProblem]:
+    """`n` problems, the same for the same seed; `templates`: indices of the templates to cycle
+    through (default all)."""
     rng = random.Random(seed)
-    templates = _templates()
+    every = _templates()
+    chosen = [every[i] for i in (range(len(every)) if templates is None else templates)]
     problems = []
     for i in range(n):
-        template, expressions = templates[i % len(templates)]
+        template, expressions = chosen[i % len(chosen)]
         a, b = rng.randint(2, 12), rng.randint(2, 9)
         c = rng.randint(a * b, a * b + 40) if "spends" in template else rng.randint(1, a * b)
         values = dict(a=a, b=b, c=c, a_times_b=a * b, c_small=min(c, a * b) // 3, name=rng.choice(_NAMES))
@@ -65,3 +67,23 @@ def arithmetic_problems(n: int = 32, seed: int = 0) -> list[ArithmeticProblem]:
         answer = calculate(steps[-1])
         problems.append(ArithmeticProblem(f"arith-{seed}-{i}", template.format(**values), answer, steps))
     return problems
+
+
+# Train on the first seven templates; held-out problems also use the last two (never trained on).
+TRAIN_TEMPLATES = tuple(range(7))
+_SPLIT_SEEDS = {"train": 1_000, "test": 2_000}
+
+
+def arithmetic_split(split: str, n: int, seed: int = 0) -> list[ArithmeticProblem]:
+    """Disjoint splits: `train` (templates 0-6) and `test` (all templates, other numbers); no
+    question of one split appears in the other, nor in the worked examples (seed 10_007)."""
+    if split not in _SPLIT_SEEDS:
+        raise ValueError(f"arithmetic split must be one of {sorted(_SPLIT_SEEDS)}, got {split!r}")
+    other = "test" if split == "train" else "train"
+    templates = TRAIN_TEMPLATES if split == "train" else None
+    excluded = {p.question for p in arithmetic_problems(8, seed=10_007)}
+    excluded |= {p.question for p in arithmetic_problems(
+        max(4 * n, 256), seed=_SPLIT_SEEDS[other] + seed, templates=TRAIN_TEMPLATES if other == "train" else None)}
+    pool = arithmetic_problems(4 * n + 64, seed=_SPLIT_SEEDS[split] + seed, templates=templates)
+    kept = [p for p in pool if p.question not in excluded][:n]
+    return [dataclasses.replace(p, id=f"arith-{split}-{i}") for i, p in enumerate(kept)]

@@ -35,6 +35,38 @@ def trajectory_metrics(trajectories: Sequence[Trajectory]) -> dict:
     }
 
 
+# Per-episode (numerator, denominator) of the metrics reported with confidence intervals.
+def _episode_terms(t: Trajectory) -> dict:
+    labels = [v.get("label") for v in t.judgements.get("process", [])]
+    judged = [x for x in labels if x in ("GOOD", "BAD")]
+    return {"accuracy": (float(t.judgements.get("outcome", {}).get("label") == "true"), 1.0),
+            "process_correctness": (float(judged.count("GOOD")), float(len(judged))),
+            "mean_actions": (float(len(t.steps)), 1.0)}
+
+
+CI_METRICS = ("accuracy", "process_correctness", "mean_actions")
+
+
+def ci_metrics(trajectories: Sequence[Trajectory], seed: int = 0) -> dict:
+    """Accuracy (outcome judge), process correctness (share of judged steps called GOOD; failed
+    verdicts are left out and counted in `trajectory_metrics`) and mean actions per episode, each
+    {value, lo, hi, n} with a 95% bootstrap interval over episodes; `per_question` holds each
+    question's summed terms for paired comparisons (`stats.paired_diff_ci`)."""
+    from steprl_jax.evaluation.stats import ratio_ci
+
+    terms = [_episode_terms(t) for t in trajectories]
+    out = {name: ratio_ci([x[name][0] for x in terms], [x[name][1] for x in terms], seed=seed)
+           for name in CI_METRICS}
+    per_question: dict = {}
+    for t, x in zip(trajectories, terms):
+        q = per_question.setdefault(t.query_id, {name: [0.0, 0.0] for name in CI_METRICS})
+        for name in CI_METRICS:
+            q[name][0] += x[name][0]
+            q[name][1] += x[name][1]
+    out["per_question"] = per_question
+    return out
+
+
 def write_json_atomic(path: str, data) -> None:
     """Write to a temporary file in the same folder, then rename: a reader never sees half a file."""
     folder = os.path.dirname(os.path.abspath(path))

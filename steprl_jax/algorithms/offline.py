@@ -1,0 +1,154 @@
+"""The one offline loop: saved items (units, trajectories) -> batches -> train steps -> checkpoints.
+
+    final_params = train_offline(spec, model, tokenizer, workdir=..., seed=...)
+
+`spec.build(items, update, policy)` turns the update's items into packed rows (SWiRL stage 2
+samples fresh actions from `policy`, the current parameters; SFT ignores it) and returns
+(rows, metrics). Each update runs `ppo_epochs` passes of `minibatches` train steps over its batch.
+
+Resume. An orbax checkpoint every `save_every` updates holds the train state (parameters,
+optimizer, step, its RNG key) and the data position (the next update); the item order is a
+permutation per epoch from the seed, and every sampling key is `fold_in(seed key, update)`, so
+a resumed run continues bit-identically. The policy is exported (Hugging Face format) at the end.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from steprl_jax.training import (Checkpointer, LossConfig, OptimizerConfig, TrainStepConfig, create_train_state,
+                                 lr_schedule, make_logprob_fn, make_optimizer, make_train_step)
+from steprl_jax.training.metrics_log import MetricsLog
+from steprl_jax.training.pack import pack
+from steprl_jax.training.state import merge_model, split_model
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class OfflineSpec:
+    name: str  # checkpoint folder, metrics stage and export folder
+    items: Sequence[Any]
+    build: Callable  # (items, update, policy) -> (rows, metrics dict)
+    loss: LossConfig
+    optimizer: OptimizerConfig
+    batch_size: int
+    updates: int
+    ppo_epochs: int = 1
+    minibatches: int = 1
+    num_microbatches: int = 1
+    save_every: int = 10
+    min_rows: int = 0
+    max_length: Optional[int] = None
+    after_update: Optional[Callable] = None  # (update, params) -> None, e.g. push to a sampler
+
+
+def batch_items(items: Sequence[Any], batch_size: int, update: int, seed: int) -> list:
+    """The items of `update`: consecutive slices of a per-epoch permutation (a fixed function of
+    seed and update, so a resumed run sees the same batches)."""
+    n = len(items)
+    out = []
+    for k in range(update * batch_size, (update + 1) * batch_size):
+        epoch, pos = divmod(k, n)
+        order = np.random.default_rng([seed, epoch]).permutation(n)
+        out.append(items[int(order[pos])])
+    return out
+
+
+def update_key(seed: int, update: int):
+    return jax.random.fold_in(jax.random.PRNGKey(seed), update)
+
+
+def copy_model(graphdef, params, rest):
+    """A model on fresh copies of `params`: the train step donates (deletes) its input buffers."""
+    return merge_model(graphdef, jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, rest))
+
+
+def _split_rows(batch, parts: int):
+    if parts == 1:
+        return [batch]
+    n = batch.tokens.shape[0] // parts
+    return [jax.tree.map(lambda x: x[i * n:(i + 1) * n], batch) for i in range(parts)]
+
+
+def train_offline(spec: OfflineSpec, model, *, workdir: str, seed: int, ref_params=None, progress: bool = True):
+    """Run (or resume) `spec`; returns (graphdef, final train state)."""
+    if not spec.items:
+        raise ValueError(f"{spec.name}: no training items (did the filter keep anything?)")
+    tx = make_optimizer(spec.optimizer)
+    # On copies: the train step donates its state, and the caller's model must stay usable.
+    graphdef, state, _ = create_train_state(copy_model(*split_model(model)), tx, seed=seed)
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints", spec.name), max_to_keep=2)
+    start = 0
+    if ckpt.latest_step() is not None:
+        state, position = ckpt.restore(like=state)
+        start = int(position["update"])
+        log.info("%s: resumed at update %d (step %d)", spec.name, start, int(state.step))
+    step_fn = make_train_step(graphdef, tx, TrainStepConfig(loss=spec.loss, num_microbatches=spec.num_microbatches),
+                              schedule=lr_schedule(spec.optimizer))
+    logprob_fn = make_logprob_fn(graphdef, temperature=spec.loss.temperature) if spec.loss.kl_coef > 0 else None
+    metrics_log = MetricsLog(workdir, spec.name)
+    bar = tqdm(total=spec.updates, initial=start, desc=spec.name, disable=not progress)
+    try:
+        for update in range(start, spec.updates):
+            t0 = time.perf_counter()
+            policy = copy_model(graphdef, state.params, state.rest)
+            rows, metrics = spec.build(batch_items(spec.items, spec.batch_size, update, seed), update, policy)
+            if not rows:
+                log.warning("%s: update %d has no rows (every sample dropped); skipped", spec.name, update)
+                metrics_log.write(update, {**metrics, "skipped": 1.0})
+                bar.update(1)
+                continue
+            batch = pack(rows, num_microbatches=spec.num_microbatches * spec.minibatches, min_rows=spec.min_rows,
+                         max_length=spec.max_length)
+            if logprob_fn is not None:
+                batch = batch.replace(ref_logp=logprob_fn(ref_params, state.rest, batch.tokens, batch.attention_mask,
+                                                          batch.loss_mask, batch.positions, batch.branch_ids))
+            t1 = time.perf_counter()
+            step_metrics = []
+            for _ in range(spec.ppo_epochs):
+                for part in _split_rows(batch, spec.minibatches):
+                    state, m = step_fn(state, part)
+                    step_metrics.append(m)
+            step_metrics = jax.device_get(step_metrics)
+            metrics.update(_first_and_mean(step_metrics))
+            metrics.update(train_s=time.perf_counter() - t1, update_s=time.perf_counter() - t0,
+                           rows=len(rows), tokens=float(np.sum(batch.attention_mask)),
+                           trained_tokens=float(np.sum(batch.loss_mask)), padded_tokens=float(batch.tokens.size))
+            metrics_log.write(update + 1, metrics)
+            if spec.after_update is not None:
+                spec.after_update(update, state)
+            if (update + 1) % spec.save_every == 0 or update + 1 == spec.updates:
+                ckpt.save(state, data_position={"update": update + 1})
+            bar.update(1)
+            bar.set_postfix({k: f"{metrics[k]:.3g}" for k in ("reward", "loss") if k in metrics})
+    finally:
+        bar.close()
+        metrics_log.close()
+        ckpt.close()
+    return graphdef, state
+
+
+def _first_and_mean(step_metrics: list[dict]) -> dict:
+    """Mean of each train-step metric over the update's steps, plus the first step's ratio and
+    clip fraction (1 and 0 when the sampler and the trainer agree)."""
+    out = {k: float(np.mean([m[k] for m in step_metrics])) for k in step_metrics[0]}
+    first = step_metrics[0]
+    for k in ("ratio", "clipfrac", "ratio_max", "ratio_min"):
+        if k in first:
+            out[f"first_{k}"] = float(first[k])
+    return out
+
+
+def export_policy(graphdef, state, tokenizer, out_dir: str) -> str:
+    from steprl_jax.models import export_hf
+
+    return export_hf(merge_model(graphdef, state.params, state.rest), tokenizer, out_dir, overwrite=True)

@@ -1,0 +1,423 @@
+"""SWiRL end to end (METHODS 1): collect -> judge -> filter -> train (offline step-wise RL) -> sft -> eval.
+
+    python -m steprl_jax.main --config=configs/swirl_arithmetic.py [--config.stages=collect,judge,...]
+
+Every stage writes into the workdir, is skipped when its output is complete and resumes after an
+interruption:
+
+    trajectories.jsonl          collect: K trajectories per training question (token-exact)
+    judged.jsonl                judge: the same records with outcome and per-step process verdicts
+    units/<filter>.jsonl        filter: (state, action) units kept by the filter, + .stats.json
+    checkpoints/{swirl,sft}/    train / sft: orbax checkpoints (resume), metrics.jsonl, tb/
+    policy/{swirl,sft}/         the exported policies (Hugging Face format, load_pretrained reads them)
+    eval/<policy>.json          eval: held-out metrics with 95% intervals; comparison.md, curves.png
+
+Stage 2 never calls a tool: for each saved state it samples G fresh actions from the current
+policy (one action, up to its closing tag), scores each with the reward model given the state
+only (no golden answer), and trains the clipped token-level loss on the action tokens with RLOO
+(or group z-score) advantages. The G actions of a state are packed as branches of one row
+(training/pack.py): the state is computed once per group.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import time
+from typing import Optional, Sequence
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from steprl_jax.agents.records import RecordStore, Trajectory
+from steprl_jax.agents.tasks import build_suite
+from steprl_jax.algorithms import sft as sft_lib
+from steprl_jax.algorithms.offline import OfflineSpec, export_policy, train_offline, update_key
+from steprl_jax.algorithms.workdir import check_manifest, mark_stage, stage_done
+from steprl_jax.data.units import Unit, read_units, write_units
+from steprl_jax.evaluation.metrics import write_json_atomic
+from steprl_jax.training import LossConfig, OptimizerConfig
+from steprl_jax.training.pack import Row, Span
+
+log = logging.getLogger(__name__)
+
+STAGES = ("collect", "judge", "filter", "train", "sft", "eval")
+FILTERS = ("none", "process", "outcome", "process_outcome")
+GRANULARITIES = ("trajectory", "step")
+ADVANTAGES = ("rloo", "zscore")
+
+
+# ----------------------------------------------------------------------------- config helpers
+def policy_temperature(config) -> float:
+    """The one temperature field: the rollout samples at it and the loss uses it (greedy decoding,
+    temperature 0, records log-probs at 1)."""
+    t = float(config.rollout.temperature)
+    return t if t > 0 else 1.0
+
+
+def _stages(config) -> list[str]:
+    names = [s.strip() for s in str(config.stages).split(",") if s.strip()]
+    unknown = [s for s in names if s not in STAGES]
+    if unknown:
+        raise ValueError(f"config.stages: unknown stage(s) {unknown}; valid: {', '.join(STAGES)}")
+    return [s for s in STAGES if s in names]
+
+
+def _check_config(config) -> None:
+    s = config.swirl
+    if s.filter not in FILTERS:
+        raise ValueError(f"config.swirl.filter: {s.filter!r} is not one of {FILTERS}")
+    if s.granularity not in GRANULARITIES:
+        raise ValueError(f"config.swirl.granularity: {s.granularity!r} is not one of {GRANULARITIES}")
+    if s.train.advantage not in ADVANTAGES:
+        raise ValueError(f"config.swirl.train.advantage: {s.train.advantage!r} is not one of {ADVANTAGES}")
+    if int(s.samples_per_question) < 1 or int(s.train.group_size) < 1:
+        raise ValueError("config.swirl.samples_per_question and config.swirl.train.group_size must be >= 1")
+
+
+def _path(config, *parts) -> str:
+    return os.path.join(config.workdir, *parts)
+
+
+def units_path(config) -> str:
+    return _path(config, "units", f"{config.swirl.filter}_{config.swirl.granularity}.jsonl")
+
+
+# ----------------------------------------------------------------------------- the job
+def run(config) -> dict:
+    """Run the configured stages; returns a summary (the eval comparison when eval ran)."""
+    _check_config(config)
+    stages = _stages(config)
+    os.makedirs(config.workdir, exist_ok=True)
+    check_manifest(config.workdir, {
+        "job": "swirl", "model.source": config.model.source, "task.name": config.task.name,
+        "task.path": config.task.path, "task.num_tasks": int(config.task.num_tasks),
+        "task.offset": int(config.task.offset), "seed": int(config.seed),
+        "swirl.samples_per_question": int(config.swirl.samples_per_question),
+        "rollout.max_steps": int(config.rollout.max_steps)})
+    from steprl_jax.models import load_pretrained
+
+    model, tokenizer = load_pretrained(config.model.source, compute_dtype=config.model.compute_dtype)
+    summary = {}
+    for stage in stages:
+        t0 = time.perf_counter()
+        summary[stage] = _STAGE_FNS[stage](config, model, tokenizer)
+        log.info("stage %s done in %.1f s", stage, time.perf_counter() - t0)
+    return summary
+
+
+# ----------------------------------------------------------------------------- collect
+def collect(config, model, tokenizer) -> dict:
+    """Stage 1: K trajectories per training question at temperature > 0, tools live."""
+    from steprl_jax.agents.rollout import RolloutEngine
+    from steprl_jax.evaluation.runner import rollout_config
+    from steprl_jax.sampling import Sampler
+
+    if float(config.rollout.temperature) <= 0:
+        raise ValueError("config.rollout.temperature: SWiRL collects K samples per question at temperature > 0")
+    suite = build_suite(config, split="train")
+    k = int(config.swirl.samples_per_question)
+    store = RecordStore(_path(config, "trajectories.jsonl"))
+    done = store.done_ids()
+    todo = [(f"{t.id}#{e}", t) for t in suite.tasks for e in range(k)]
+    todo = [(i, t) for i, t in todo if i not in done]
+    if todo:
+        sampler = Sampler(model, tokenizer, max_context=int(config.rollout.max_context))
+        # The seed of a resumed run's engine differs from the first run's: its episodes are new samples.
+        engine = RolloutEngine(sampler, tokenizer, suite.env, rollout_config(config), seed=int(config.seed) + len(done))
+        bar = tqdm(total=len(todo), desc="collect", disable=not config.progress)
+        try:
+            for trajectory in engine.run(todo):
+                store.append(trajectory)
+                bar.update(1)
+        finally:
+            bar.close()
+            engine.close()
+    records = [r for r in store if isinstance(r, Trajectory)]
+    out = {"trajectories": len(records), "questions": len(suite.tasks),
+           "terminations": dict(collections.Counter(r.termination for r in records))}
+    mark_stage(config.workdir, "collect", out)
+    return out
+
+
+# ----------------------------------------------------------------------------- judge
+def judge(config, model, tokenizer) -> dict:
+    """Process verdicts on every step (no golden answer) and the outcome per trajectory."""
+    from steprl_jax.judges.judging import Judging
+
+    source = _path(config, "trajectories.jsonl")
+    if not os.path.exists(source):
+        raise FileNotFoundError(f"{source}: no trajectories; run the 'collect' stage first")
+    suite = build_suite(config, split="train")
+    tasks = {t.id: t for t in suite.tasks}
+    judging = Judging.from_config(config, outcome_rule=suite.outcome_rule, local_model=(model, tokenizer))
+    out_store = RecordStore(_path(config, "judged.jsonl"))
+    done = out_store.done_ids()
+    todo = [r for r in RecordStore(source) if isinstance(r, Trajectory) and r.id not in done]
+    size = max(1, int(config.judge.batch_size))
+    bar = tqdm(total=len(todo), desc="judge", disable=not config.progress)
+    for start in range(0, len(todo), size):
+        batch = todo[start:start + size]
+        missing = [t.query_id for t in batch if t.query_id not in tasks]
+        if missing:
+            raise ValueError(f"{source}: records of questions {missing[:3]} are not in the configured task set")
+        for trajectory in judging.judge([(tasks[t.query_id], t) for t in batch]):
+            out_store.append(trajectory)
+        bar.update(len(batch))
+    bar.close()
+    judged = [r for r in out_store if isinstance(r, Trajectory)]
+    labels = collections.Counter(v.get("label") for t in judged for v in t.judgements.get("process", []))
+    outcomes = collections.Counter(t.judgements.get("outcome", {}).get("label") for t in judged)
+    out = {"trajectories": len(judged), "process_labels": dict(labels), "outcome_labels": dict(outcomes)}
+    mark_stage(config.workdir, "judge", out)
+    return out
+
+
+# ----------------------------------------------------------------------------- filter
+def _process_labels(t: Trajectory) -> list[Optional[str]]:
+    labels = [v.get("label") for v in t.judgements.get("process", [])]
+    return labels + [None] * (len(t.steps) - len(labels))
+
+
+def _outcome_label(t: Trajectory) -> Optional[str]:
+    return t.judgements.get("outcome", {}).get("label")
+
+
+def easy_questions(trajectories: Sequence[Trajectory]) -> set:
+    """Questions answered correctly with at most one tool call in every sample (METHODS 1.1)."""
+    by_question = collections.defaultdict(list)
+    for t in trajectories:
+        by_question[t.query_id].append(t)
+    return {q for q, ts in by_question.items()
+            if all(_outcome_label(t) == "true" and sum(len(s.tool_calls) for s in t.steps) <= 1 for t in ts)}
+
+
+def trajectory_units(t: Trajectory) -> list[Unit]:
+    """Every step of `t` as a unit: the state's exact ids, the action's ids and log-probs."""
+    units, history = [], ""
+    labels = _process_labels(t)
+    for i, step in enumerate(t.steps):
+        units.append(Unit(trajectory_id=t.id, query_id=t.query_id, step_index=i, question=t.question,
+                          history_text=history, action_text=step.action_text, state_ids=tuple(t.state_ids(i)),
+                          action_ids=tuple(step.action_ids), action_logprobs=tuple(step.action_logprobs),
+                          process_label=labels[i], outcome_label=_outcome_label(t)))
+        history += step.action_text + step.observation_text
+    return units
+
+
+def filter_units(trajectories: Sequence[Trajectory], strategy: str, granularity: str = "trajectory",
+                 drop_easy: bool = False) -> tuple[list[Unit], dict]:
+    """Apply `strategy` (none | process | outcome | process_outcome) at trajectory granularity
+    (the paper: keep a trajectory only if every step is GOOD) or step granularity (keep the GOOD
+    steps). A failed verdict is neither GOOD nor correct: its step or trajectory is not kept."""
+    if strategy not in FILTERS or granularity not in GRANULARITIES:
+        raise ValueError(f"filter {strategy!r}/{granularity!r}: expected one of {FILTERS} / {GRANULARITIES}")
+    easy = easy_questions(trajectories) if drop_easy else set()
+    kept_units, kept_trajectories, kept_wrong = [], 0, 0
+    use_process = strategy in ("process", "process_outcome")
+    use_outcome = strategy in ("outcome", "process_outcome")
+    for t in trajectories:
+        if t.query_id in easy or not t.steps:
+            continue
+        units = trajectory_units(t)
+        if use_outcome and _outcome_label(t) != "true":
+            continue
+        if use_process:
+            if granularity == "trajectory" and not all(u.process_label == "GOOD" for u in units):
+                continue
+            units = [u for u in units if u.process_label == "GOOD"]
+        if not units:
+            continue
+        kept_units += units
+        kept_trajectories += 1
+        kept_wrong += _outcome_label(t) != "true"
+    labels = collections.Counter(l for t in trajectories for l in _process_labels(t))
+    stats = {"filter": strategy, "granularity": granularity, "trajectories": len(trajectories),
+             "steps": sum(len(t.steps) for t in trajectories), "easy_questions_dropped": len(easy),
+             "kept_trajectories": kept_trajectories, "kept_units": len(kept_units),
+             "kept_trajectories_with_wrong_answer": kept_wrong,
+             "process_labels": {str(k): v for k, v in labels.items()},
+             "outcome_labels": dict(collections.Counter(str(_outcome_label(t)) for t in trajectories))}
+    return kept_units, stats
+
+
+def filter_stage(config, model=None, tokenizer=None) -> dict:
+    source = _path(config, "judged.jsonl")
+    if not os.path.exists(source):
+        raise FileNotFoundError(f"{source}: no judged trajectories; run the 'judge' stage first")
+    trajectories = [r for r in RecordStore(source) if isinstance(r, Trajectory)]
+    units, stats = filter_units(trajectories, config.swirl.filter, config.swirl.granularity,
+                                bool(config.swirl.drop_easy))
+    path = units_path(config)
+    write_units(path, units)
+    write_json_atomic(path[:-len(".jsonl")] + ".stats.json", stats)
+    mark_stage(config.workdir, "filter", stats)
+    return stats
+
+
+# ----------------------------------------------------------------------------- stage 2
+def group_advantages(rewards: Sequence[Optional[float]], group_ids: Sequence[int], num_groups: int,
+                     kind: str = "rloo", scale_by_std: bool = False, eps: float = 1e-6) -> np.ndarray:
+    """Per-sample advantages; samples whose reward failed (None) get 0 and count in no group.
+    rloo: r - mean of the group's OTHER samples; zscore: (r - mean) / (std + eps). With
+    `scale_by_std` RLOO is also divided by the group's (population) std."""
+    import jax.numpy as jnp
+
+    from steprl_jax.ops.advantages import group_rloo, group_zscore
+
+    valid = np.asarray([r is not None for r in rewards])
+    r = np.asarray([0.0 if x is None else float(x) for x in rewards], np.float32)
+    g = np.asarray(group_ids, np.int32)
+    if kind == "zscore":
+        return np.asarray(group_zscore(jnp.asarray(r), jnp.asarray(g), num_groups, valid_n=jnp.asarray(valid), eps=eps))
+    adv = np.asarray(group_rloo(jnp.asarray(r), jnp.asarray(g), num_groups, valid_n=jnp.asarray(valid)))
+    if scale_by_std:
+        for group in range(num_groups):
+            members = (g == group) & valid
+            if members.sum() > 1:
+                adv[members] /= r[members].std() + eps
+    return np.where(valid, adv, 0.0)
+
+
+class Stage2Builder:
+    """Stage-2 rows for a batch of saved states: G fresh actions each from the current policy,
+    rewards from the reward model (state + action only), group advantages, one packed row per
+    state. Never calls a tool: it holds no tool registry."""
+
+    def __init__(self, config, sampler, tokenizer, reward_model, stop_strings: Sequence[str]):
+        t = config.swirl.train
+        self.sampler, self.tokenizer, self.reward_model = sampler, tokenizer, reward_model
+        self.group_size, self.max_new_tokens = int(t.group_size), int(config.rollout.max_new_tokens)
+        self.advantage, self.scale_by_std = t.advantage, bool(t.scale_by_std)
+        self.stop = tuple(stop_strings)
+        self.seed = int(config.seed)
+        self.temperature = policy_temperature(config)
+
+    def __call__(self, units: Sequence[Unit], update: int, policy) -> tuple[list[Row], dict]:
+        from steprl_jax.judges.rewards import RewardItem
+        from steprl_jax.sampling import SamplingParams
+
+        t0 = time.perf_counter()
+        self.sampler.set_params(policy)  # the current parameters, no recompilation
+        G = self.group_size
+        state = self.sampler.prefill([list(u.state_ids) for u in units])
+        state = self.sampler.fork(state, [i for i in range(len(units)) for _ in range(G)])
+        _, gens = self.sampler.generate(state, update_key(self.seed, update), max_new_tokens=self.max_new_tokens,
+                                        params=SamplingParams(temperature=self.temperature), stop=self.stop)
+        t1 = time.perf_counter()
+        items = [RewardItem(units[j // G].question, units[j // G].history_text,
+                            (gen.text or "") + gen.text_after_stop) for j, gen in enumerate(gens)]
+        rewards = self.reward_model.score(items)
+        t2 = time.perf_counter()
+        values = [r.value if len(gen.tokens) else None for r, gen in zip(rewards, gens)]
+        groups = [i // G for i in range(len(values))]
+        adv = group_advantages(values, groups, len(units), self.advantage, self.scale_by_std)
+        rows = []
+        for i, unit in enumerate(units):
+            branches = [[Span(gens[j].tokens.tolist(), loss=True, logprobs=gens[j].logprobs.tolist(),
+                              advantage=float(adv[j]))]
+                        for j in range(i * G, (i + 1) * G) if values[j] is not None]
+            if branches:
+                rows.append(Row([Span(unit.state_ids)], branches))
+        scored = [v for v in values if v is not None]
+        metrics = {"reward": float(np.mean(scored)) if scored else float("nan"),
+                   "reward_failed": float(sum(r.value is None for r in rewards)),
+                   "samples": float(len(values)), "sampled_tokens": float(sum(len(g.tokens) for g in gens)),
+                   "advantage_abs": float(np.mean(np.abs(adv))), "sample_s": t1 - t0, "reward_s": t2 - t1,
+                   "states": float(len(units))}
+        return rows, metrics
+
+
+def _optimizer(config, updates_times_steps: int) -> OptimizerConfig:
+    o = config.optimizer
+    return OptimizerConfig(learning_rate=float(o.learning_rate), warmup_steps=min(int(o.warmup_steps), max(0, updates_times_steps - 1)),
+                           total_steps=max(1, updates_times_steps), end_lr_ratio=float(o.end_lr_ratio),
+                           weight_decay=float(o.weight_decay), max_grad_norm=float(o.max_grad_norm) or None)
+
+
+def train(config, model, tokenizer) -> dict:
+    """Stage 2: offline step-wise RL on the filtered units' states."""
+    from steprl_jax.judges.rewards import build_reward_model
+    from steprl_jax.sampling import Sampler
+
+    t = config.swirl.train
+    units = read_units(units_path(config))
+    check_manifest(config.workdir, {"swirl.filter": config.swirl.filter, "swirl.granularity": config.swirl.granularity})
+    suite = build_suite(config, split="train")  # for the stop strings only; no tool is called
+    sampler = Sampler(model, tokenizer, max_context=int(config.rollout.max_context))
+    reward_model = build_reward_model(dict(config.reward), local_model=(model, tokenizer),
+                                      cache_dir=config.judge.cache_dir or None)
+    builder = Stage2Builder(config, sampler, tokenizer, reward_model, suite.env.stop_strings)
+    steps = int(t.updates) * int(t.ppo_epochs) * int(t.minibatches)
+    loss = LossConfig(kind="policy", agg=t.agg, eps_low=float(t.eps_low), eps_high=float(t.eps_high),
+                      kl_coef=float(t.kl_coef), temperature=policy_temperature(config))
+    spec = OfflineSpec("swirl", units, builder, loss, _optimizer(config, steps), batch_size=int(t.batch_size),
+                       updates=int(t.updates), ppo_epochs=int(t.ppo_epochs), minibatches=int(t.minibatches),
+                       num_microbatches=int(t.num_microbatches), save_every=int(t.save_every),
+                       min_rows=int(t.batch_size))
+    ref = None
+    if spec.loss.kl_coef > 0:
+        from steprl_jax.algorithms.offline import copy_model
+        from steprl_jax.training.state import split_model
+
+        _, ref, _ = split_model(copy_model(*split_model(model)))  # the frozen initial policy, its own buffers
+    graphdef, state = train_offline(spec, model, workdir=config.workdir, seed=int(config.seed), ref_params=ref,
+                                    progress=bool(config.progress))
+    export_policy(graphdef, state, tokenizer, _path(config, "policy", "swirl"))
+    out = {"updates": int(t.updates), "units": len(units), "reward_stats": reward_model.stats.snapshot()}
+    mark_stage(config.workdir, "train", out)
+    return out
+
+
+def sft(config, model, tokenizer) -> dict:
+    """The paper's baseline: next-token loss on the action tokens of the same filtered units."""
+    s = config.swirl.sft
+    groups = sft_lib.group_by_trajectory(read_units(units_path(config)))
+    updates = max(1, -(-len(groups) * int(s.epochs) // int(s.batch_size)))
+    spec = OfflineSpec("sft", groups, lambda items, update, policy: (sft_lib.sft_rows(items), {}),
+                       sft_lib.LOSS, _optimizer(config, updates), batch_size=int(s.batch_size), updates=updates,
+                       num_microbatches=int(s.num_microbatches), save_every=int(config.swirl.train.save_every))
+    graphdef, state = train_offline(spec, model, workdir=config.workdir, seed=int(config.seed),
+                                    progress=bool(config.progress))
+    export_policy(graphdef, state, tokenizer, _path(config, "policy", "sft"))
+    out = {"updates": updates, "trajectories": len(groups)}
+    mark_stage(config.workdir, "sft", out)
+    return out
+
+
+# ----------------------------------------------------------------------------- eval
+def evaluate_policies(config, model, tokenizer) -> dict:
+    """Held-out questions with the live tool loop for base, SFT and SWiRL (those exported)."""
+    from steprl_jax.algorithms.report import write_comparison
+    from steprl_jax.evaluation.runner import evaluate
+    from steprl_jax.models import load_pretrained
+
+    eval_config = config.copy_and_resolve_references()
+    with eval_config.unlocked():
+        eval_config.rollout.temperature = float(config.eval.temperature)
+        eval_config.rollout.episodes_per_task = int(config.eval.episodes_per_task)
+    results = {}
+    for name in ("base", "sft", "swirl"):
+        source = None if name == "base" else _path(config, "policy", name)
+        if source is not None and not os.path.isdir(source):
+            continue
+        out = _path(config, "eval", f"{name}.json")
+        if os.path.exists(out):
+            import json
+
+            with open(out, encoding="utf-8") as f:
+                results[name] = json.load(f)
+            continue
+        policy = (model, tokenizer) if source is None else load_pretrained(source, compute_dtype=config.model.compute_dtype)
+        metrics = evaluate(eval_config, policy, split="test", out_dir=_path(config, "eval"), name=f"{name}.",
+                           plot=False)
+        write_json_atomic(out, metrics)
+        results[name] = metrics
+    comparison = write_comparison(config.workdir, results)
+    mark_stage(config.workdir, "eval", {"policies": sorted(results)})
+    return comparison
+
+
+_STAGE_FNS = {"collect": collect, "judge": judge, "filter": filter_stage, "train": train, "sft": sft,
+              "eval": evaluate_policies}

@@ -1,0 +1,69 @@
+"""A run's workdir: the manifest that stops a resumed run from mixing incompatible data, and
+the markers that say a stage is complete.
+
+    manifest = check_manifest(workdir, {"model.source": ..., "task.name": ..., ...})
+    if not stage_done(workdir, "filter"): ...; mark_stage(workdir, "filter", summary)
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Mapping, Optional
+
+from steprl_jax.evaluation.metrics import write_json_atomic
+
+MANIFEST = "run.json"
+
+
+class IncompatibleRunError(ValueError):
+    """The workdir holds data made with a different value of a field that must not change."""
+
+
+def check_manifest(workdir: str, fields: Mapping[str, Any]) -> dict:
+    """Write `fields` on the first run; later runs must agree on every field already recorded
+    (new fields are added). Raises IncompatibleRunError naming the fields that differ."""
+    path = os.path.join(workdir, MANIFEST)
+    fields = {k: _plain(v) for k, v in fields.items()}
+    recorded = {}
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            recorded = json.load(f)
+        differ = {k: (recorded[k], v) for k, v in fields.items() if k in recorded and recorded[k] != v}
+        if differ:
+            detail = "; ".join(f"{k}: recorded {a!r}, now {b!r}" for k, (a, b) in differ.items())
+            raise IncompatibleRunError(
+                f"{path}: this workdir was made with other settings ({detail}); use a new workdir "
+                "or restore the recorded values")
+    merged = {**recorded, **fields}
+    if merged != recorded:
+        write_json_atomic(path, merged)
+    return merged
+
+
+def _plain(value):
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _marker(workdir: str, stage: str) -> str:
+    return os.path.join(workdir, "stages", f"{stage}.json")
+
+
+def stage_done(workdir: str, stage: str) -> Optional[dict]:
+    """The summary a completed stage left, or None."""
+    path = _marker(workdir, stage)
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def mark_stage(workdir: str, stage: str, summary: Mapping[str, Any]) -> None:
+    write_json_atomic(_marker(workdir, stage), dict(summary))
+
+
+def clear_stage(workdir: str, stage: str) -> None:
+    path = _marker(workdir, stage)
+    if os.path.exists(path):
+        os.remove(path)

@@ -1,0 +1,92 @@
+"""SWiRL's step-level dataset: (state, action) units as JSONL, written atomically.
+
+One line per unit:
+    {"version": 1, "trajectory_id", "query_id", "step_index", "question", "history_text",
+     "action_text", "state_ids", "action_ids", "action_logprobs", "process_label",
+     "outcome_label"}
+`state_ids` are exactly the trajectory's token ids before the action (prompt + earlier actions
+and observations); `history_text` is the text of the earlier steps only (no prompt), what a
+reward model sees beside the question. A bad line is an error naming the file and the line.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from typing import Iterable, Optional
+
+UNITS_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    trajectory_id: str
+    query_id: str
+    step_index: int
+    question: str
+    history_text: str
+    action_text: str
+    state_ids: tuple
+    action_ids: tuple
+    action_logprobs: tuple
+    process_label: Optional[str] = None
+    outcome_label: Optional[str] = None
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.update(state_ids=list(self.state_ids), action_ids=list(self.action_ids),
+                 action_logprobs=list(self.action_logprobs))
+        return {"version": UNITS_VERSION, **d}
+
+
+class UnitsError(ValueError):
+    """A units file is missing or holds a line that is not a valid unit (file and line named)."""
+
+
+_FIELDS = {f.name for f in dataclasses.fields(Unit)}
+
+
+def write_units(path: str, units: Iterable[Unit]) -> int:
+    """Write all units to `path` atomically (temporary file, then rename); returns the count."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".jsonl")
+    n = 0
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        for unit in units:
+            f.write(json.dumps(unit.to_json(), ensure_ascii=False) + "\n")
+            n += 1
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return n
+
+
+def read_units(path: str) -> list[Unit]:
+    if not os.path.exists(path):
+        raise UnitsError(f"{path}: no units file (run the 'filter' stage first)")
+    units = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                data = json.loads(line)
+            except ValueError as err:
+                raise UnitsError(f"{where}: invalid JSON ({err})") from None
+            if not isinstance(data, dict) or data.get("version") != UNITS_VERSION:
+                raise UnitsError(f"{where}: not a version-{UNITS_VERSION} unit")
+            fields = {k: v for k, v in data.items() if k != "version"}
+            missing, unknown = _FIELDS - set(fields) - {"process_label", "outcome_label"}, set(fields) - _FIELDS
+            if missing or unknown:
+                raise UnitsError(f"{where}: missing fields {sorted(missing)}, unknown fields {sorted(unknown)}")
+            unit = Unit(**{**fields, "state_ids": tuple(fields["state_ids"]), "action_ids": tuple(fields["action_ids"]),
+                           "action_logprobs": tuple(fields["action_logprobs"])})
+            if not unit.state_ids or not unit.action_ids or len(unit.action_ids) != len(unit.action_logprobs):
+                raise UnitsError(f"{where}: a unit needs state and action ids, one log-prob per action token")
+            if not all(isinstance(t, int) and t >= 0 for t in unit.state_ids + unit.action_ids):
+                raise UnitsError(f"{where}: token ids must be non-negative integers")
+            units.append(unit)
+    return units

@@ -1,0 +1,108 @@
+"""Outcome and process verdicts for many finished trajectories at once: the one judging interface
+every job uses (evaluation, SWiRL's judge stage, the online RL loop).
+
+    judging = Judging.from_config(config, outcome_rule=suite.outcome_rule, local_model=(model, tok))
+    judging.judge(pairs)        # [(task, trajectory)], sets trajectory.judgements in place
+
+Model judges (local or HTTP) get every item of the batch in one `judge(items)` call, which runs
+them concurrently on a thread pool; rule judges are instant. A verdict that fails (backend down
+after its retries, unreadable replies) is recorded as label "failed" with its reason, never
+counted as GOOD/BAD or true/false.
+
+`outcome_rule(task, trajectory) -> "true" | "false" | "unable_to_answer"` is the task's own
+answer check (agents/tasks.py); judges do not depend on the agents package.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Optional, Sequence
+
+from steprl_jax.judges import rules
+from steprl_jax.judges.items import outcome_item, step_items, trajectory_item
+
+FAILED = "failed"
+# YES/NO of the model outcome judge read as PORTool's verdicts.
+_YES_NO = {"YES": rules.TRUE, "NO": rules.FALSE}
+
+
+class Judging:
+    def __init__(self, *, outcome_judge=None, process_judge=None, outcome_rule: Optional[Callable] = None,
+                 tree_format: bool = False, outcome_kind: str = "rule", process_kind: str = "rule"):
+        """`outcome_judge`/`process_judge`: model judges (judges.model_judges) or None for the rule
+        path (`outcome_rule`, and `RuleProcessJudge` for SWiRL's tag actions)."""
+        from steprl_jax.judges.rule_judges import RuleProcessJudge
+
+        if outcome_judge is None and outcome_rule is None:
+            raise ValueError("Judging needs an outcome judge or an outcome rule")
+        self.outcome_judge, self.outcome_rule = outcome_judge, outcome_rule
+        # The rule process judge is defined for SWiRL's tag actions only.
+        self.process_judge = process_judge if process_judge is not None or tree_format else RuleProcessJudge()
+        self.tree_format = tree_format
+        self.outcome_kind, self.process_kind = outcome_kind, process_kind
+
+    @classmethod
+    def from_config(cls, config, *, outcome_rule: Callable, local_model=None) -> "Judging":
+        """From `config.judge.{outcome,process}` (kind rule | local | http) and `config.env.format`."""
+        tree_format = config.env.format == "tool_call"
+        cache_dir = config.judge.cache_dir or os.path.join(config.workdir, "judge_cache")
+        judges = {}
+        for role, cfg in (("outcome", config.judge.outcome), ("process", config.judge.process)):
+            if cfg.kind == "rule":
+                judges[role] = None
+                continue
+            from steprl_jax.judges import build_backend
+            from steprl_jax.judges.model_judges import OutcomeJudge, ProcessJudge, TrajectoryVerdictJudge
+
+            backend = build_backend(dict(cfg), cache_dir=cache_dir, local_model=local_model)
+            kind = ProcessJudge if role == "process" else TrajectoryVerdictJudge if tree_format else OutcomeJudge
+            judges[role] = kind(backend, votes=int(cfg.votes))
+        return cls(outcome_judge=judges["outcome"], process_judge=judges["process"], outcome_rule=outcome_rule,
+                   tree_format=tree_format, outcome_kind=config.judge.outcome.kind,
+                   process_kind=config.judge.process.kind)
+
+    # ------------------------------------------------------------------ batches
+    def outcomes(self, pairs: Sequence[tuple[Any, Any]]) -> list[dict]:
+        """One outcome verdict dict per (task, trajectory): label, score (R_out) and the judge's detail."""
+        if self.outcome_judge is None:
+            out = []
+            for task, trajectory in pairs:
+                label = self.outcome_rule(task, trajectory)
+                out.append({"label": label, "score": rules.OUTCOME_REWARD[label], "judge": "rule"})
+            return out
+        items = [(trajectory_item if self.tree_format else outcome_item)(t) for _, t in pairs]
+        out = []
+        for verdict in self.outcome_judge.judge(items):
+            label = verdict.label if self.tree_format else _YES_NO.get(verdict.label)
+            out.append({**verdict.to_json(), "label": label or FAILED, "score": rules.OUTCOME_REWARD.get(label),
+                        "judge": self.outcome_kind})
+        return out
+
+    def processes(self, trajectories: Sequence[Any]) -> list[list[dict]]:
+        """Per trajectory, one process verdict per step (question + earlier steps + the step; no answer)."""
+        if self.process_judge is None:
+            return [[] for _ in trajectories]
+        items = [step_items(t) for t in trajectories]
+        flat = self.process_judge.judge([item for per in items for item in per])
+        out, start = [], 0
+        for per in items:
+            out.append([{**v.to_json(), "label": v.label or FAILED, "judge": self.process_kind}
+                        for v in flat[start:start + len(per)]])
+            start += len(per)
+        return out
+
+    def judge(self, pairs: Sequence[tuple[Any, Any]]) -> list[Any]:
+        """Set `trajectory.judgements = {"outcome": ..., "process": [...]}` for every pair."""
+        outcomes = self.outcomes(pairs)
+        processes = self.processes([t for _, t in pairs])
+        for (_, trajectory), outcome, process in zip(pairs, outcomes, processes):
+            trajectory.judgements = {"outcome": outcome, "process": process}
+        return [t for _, t in pairs]
+
+    def judge_tree(self, task, tree) -> Any:
+        """Outcome verdicts of a rollout tree's leaves (R_out in `leaf_outcomes`, detail in metadata)."""
+        leaves = tree.leaves()
+        verdicts = self.outcomes([(task, tree.trajectory(leaf)) for leaf in leaves])
+        for leaf, verdict in zip(leaves, verdicts):
+            tree.leaf_outcomes[str(leaf)] = verdict["score"]
+            tree.metadata.setdefault("leaf_verdicts", {})[str(leaf)] = verdict
+        return tree
