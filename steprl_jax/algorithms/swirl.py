@@ -85,8 +85,9 @@ def units_path(config) -> str:
 
 
 # ----------------------------------------------------------------------------- the job
-def run(config) -> dict:
-    """Run the configured stages; returns a summary (the eval comparison when eval ran)."""
+def run(config, model_and_tokenizer=None) -> dict:
+    """Run the configured stages; returns a summary (the eval comparison when eval ran).
+    `model_and_tokenizer` skips loading `config.model.source` (tests, notebooks)."""
     _check_config(config)
     stages = _stages(config)
     os.makedirs(config.workdir, exist_ok=True)
@@ -98,7 +99,8 @@ def run(config) -> dict:
         "rollout.max_steps": int(config.rollout.max_steps)})
     from steprl_jax.models import load_pretrained
 
-    model, tokenizer = load_pretrained(config.model.source, compute_dtype=config.model.compute_dtype)
+    model, tokenizer = model_and_tokenizer or load_pretrained(config.model.source,
+                                                               compute_dtype=config.model.compute_dtype)
     summary = {}
     for stage in stages:
         t0 = time.perf_counter()
