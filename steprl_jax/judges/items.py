@@ -11,6 +11,7 @@ import json
 from typing import Any, Sequence
 
 from steprl_jax.judges.prompts import History
+from steprl_jax.tools.protocol import TOOL_FAILURE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,8 +72,15 @@ def outcome_item(trajectory: Any) -> OutcomeItem:
     return OutcomeItem(trajectory.question, trajectory.final_answer, trajectory.reference_answer)
 
 
+def tool_failed(trajectory_or_steps: Any) -> bool:
+    """Whether a tool failed in a trajectory (or a list of its steps): some result's error type is
+    `tool_failure`. The agent's own mistakes (malformed arguments, unknown tools, invalid values) do
+    not count: a declined answer is "unable_to_answer" only when the tools defeated the trajectory."""
+    steps = getattr(trajectory_or_steps, "steps", trajectory_or_steps)
+    return any(isinstance(r, dict) and isinstance(r.get("error"), dict) and r["error"].get("type") == TOOL_FAILURE
+               for s in steps for r in (getattr(s, "tool_results", None) or ()))
+
+
 def trajectory_item(trajectory: Any) -> TrajectoryItem:
-    failed = any(isinstance(r, dict) and "error" in r for s in trajectory.steps
-                 for r in (getattr(s, "tool_results", None) or ()))
     return TrajectoryItem(trajectory.question, step_messages(trajectory.steps), trajectory.reference_answer,
-                          trajectory.final_answer, failed)
+                          trajectory.final_answer, tool_failed(trajectory))
