@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from steprl_jax.ops import advantages as adv
-from steprl_jax.ops.tree_arrays import (RolloutTree, TreeNode, node_values_to_tokens,
+from steprl_jax.ops.tree_arrays import (ArrayTreeNode, RolloutTree, node_values_to_tokens,
                                         spans_to_mask, stack_trees, validate_tree)
 from steprl_jax.ops.validate import check_finite, check_mask_selects, check_same_shape
 
@@ -135,9 +135,9 @@ def test_shared_step_mixed_outcomes_unable_leaf_fm_cap():
 
 
 def test_padding_and_vmap_over_queries():
-    t1 = RolloutTree([TreeNode(-1), TreeNode(0, leaf_outcome=1), TreeNode(0, leaf_outcome=-1)])
-    t2 = RolloutTree([TreeNode(-1), TreeNode(0), TreeNode(0, leaf_outcome=0),
-                      TreeNode(1, leaf_outcome=1), TreeNode(1, leaf_outcome=-1)])
+    t1 = RolloutTree([ArrayTreeNode(-1), ArrayTreeNode(0, leaf_outcome=1), ArrayTreeNode(0, leaf_outcome=-1)])
+    t2 = RolloutTree([ArrayTreeNode(-1), ArrayTreeNode(0), ArrayTreeNode(0, leaf_outcome=0),
+                      ArrayTreeNode(1, leaf_outcome=1), ArrayTreeNode(1, leaf_outcome=-1)])
     arrs = stack_trees([t1, t2], max_nodes=7)
     fn = jax.vmap(functools.partial(adv.tree_advantages, gamma=0.9, fm_scale=0.25))
     r, a = fn(arrs.parent, arrs.leaf_outcome, arrs.fm_reward, valid_n=arrs.valid)
@@ -148,13 +148,13 @@ def test_padding_and_vmap_over_queries():
 
 
 def test_node_values_to_tokens():
-    tree = RolloutTree([TreeNode(-1, spans=[(0, 1, 3), (1, 1, 3)]),
-                        TreeNode(0, spans=[(0, 4, 6)], leaf_outcome=1),
-                        TreeNode(0, spans=[(1, 5, 6)], leaf_outcome=-1)])
+    tree = RolloutTree([ArrayTreeNode(-1, spans=[(0, 1, 3), (1, 1, 3)]),
+                        ArrayTreeNode(0, spans=[(0, 4, 6)], leaf_outcome=1),
+                        ArrayTreeNode(0, spans=[(1, 5, 6)], leaf_outcome=-1)])
     tok = node_values_to_tokens([tree], np.array([[0.5, 2.0, -2.0]]), (2, 7))
     np.testing.assert_array_equal(tok, [[0, .5, .5, 0, 2, 2, 0], [0, .5, .5, 0, 0, -2, 0]])
     np.testing.assert_array_equal(spans_to_mask([tree], (2, 7)), tok != 0)
-    bad = RolloutTree([TreeNode(-1, spans=[(0, 0, 3)]), TreeNode(0, spans=[(0, 2, 4)])])
+    bad = RolloutTree([ArrayTreeNode(-1, spans=[(0, 0, 3)]), ArrayTreeNode(0, spans=[(0, 2, 4)])])
     with pytest.raises(ValueError, match="overlaps"):
         node_values_to_tokens([bad], np.zeros((1, 2)), (1, 5))
     with pytest.raises(ValueError, match="outside"):
@@ -175,7 +175,7 @@ def test_tree_validation_errors():
     with pytest.raises(ValueError, match="fm_reward"):
         validate_tree([-1, 0], [0, 1], [0, 2.0])
     with pytest.raises(ValueError, match="more than max_nodes"):
-        stack_trees([RolloutTree([TreeNode(-1)] * 3)], max_nodes=2)
+        stack_trees([RolloutTree([ArrayTreeNode(-1)] * 3)], max_nodes=2)
     with pytest.raises(ValueError, match="gamma"):
         adv.tree_advantages(jnp.array([-1]), jnp.array([1.0]), jnp.array([0.0]), gamma=1.5)
     with pytest.raises(ValueError, match="shape"):

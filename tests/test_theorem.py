@@ -17,7 +17,7 @@ import numpy as np
 from steprl_jax.ops.advantages import group_zscore, tree_advantages
 from steprl_jax.ops.logprobs import token_logprobs
 from steprl_jax.ops.losses import policy_loss, safe_divide
-from steprl_jax.ops.tree_arrays import RolloutTree, TreeNode, node_values_to_tokens, stack_trees
+from steprl_jax.ops.tree_arrays import ArrayTreeNode, RolloutTree, node_values_to_tokens, stack_trees
 
 NEC, USE = 0, 1          # step-1 tokens
 CORRECT, WRONG = 0, 1    # step-2 tokens after NEC
@@ -36,9 +36,9 @@ def _batch():
 
 def _tree():
     sp = lambda rows, col: [(r, col, col + 1) for r in rows]
-    nodes = [TreeNode(-1, spans=sp(range(4), 0)), TreeNode(-1, spans=sp(range(4, 8), 0))]
-    nodes += [TreeNode(0, spans=sp([r], 1), leaf_outcome=OUTCOMES[r]) for r in range(4)]
-    nodes += [TreeNode(1, spans=sp([r], 1), leaf_outcome=OUTCOMES[r]) for r in range(4, 8)]
+    nodes = [ArrayTreeNode(-1, spans=sp(range(4), 0)), ArrayTreeNode(-1, spans=sp(range(4, 8), 0))]
+    nodes += [ArrayTreeNode(0, spans=sp([r], 1), leaf_outcome=OUTCOMES[r]) for r in range(4)]
+    nodes += [ArrayTreeNode(1, spans=sp([r], 1), leaf_outcome=OUTCOMES[r]) for r in range(4, 8)]
     return RolloutTree(nodes)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from steprl_jax.agents.formats import passed_fraction
 from steprl_jax.agents.records import TreeRecord
-from steprl_jax.ops.tree_arrays import RolloutTree, TreeNode
+from steprl_jax.ops.tree_arrays import ArrayTreeNode, RolloutTree
 
 
 def tree_rows(record: TreeRecord, first_row: int = 0) -> tuple[RolloutTree, list[list[int]]]:
@@ -18,8 +18,8 @@ def tree_rows(record: TreeRecord, first_row: int = 0) -> tuple[RolloutTree, list
     Leaf outcomes come from `record.leaf_outcomes` (a missing verdict is an error: judge first);
     `fm_reward` is 2 * passed_fraction - 1 of the step's formatting checks (0 without checks).
     """
-    nodes = [TreeNode(parent=n.parent,
-                      fm_reward=(2 * passed_fraction(n.step.format_checks) - 1) if n.step.format_checks else 0.0)
+    nodes = [ArrayTreeNode(parent=n.parent,
+                           fm_reward=(2 * passed_fraction(n.step.format_checks) - 1) if n.step.format_checks else 0.0)
              for n in record.nodes]
     rows = []
     for r, leaf in enumerate(record.leaves()):

@@ -1,15 +1,15 @@
 """Host-side glue between rollout trees and the jitted tree kernels.
 
-The rollout code fills one `RolloutTree` per query: a list of `TreeNode`s, one per step
+The rollout code fills one `RolloutTree` per query: a list of `ArrayTreeNode`s, one per step
 (action), in any order, each naming its parent step by index. The packed training batch holds
 one row per trajectory (prompt + steps + tool responses); a step shared by several
 trajectories appears in each of their rows, so a node lists every (row, start, end) span where
 its ACTION tokens sit (tool-response tokens belong to no span and keep advantage 0).
 
     tree = RolloutTree(nodes=[
-        TreeNode(parent=-1, spans=[(0, 10, 25), (1, 10, 25)]),            # shared first step
-        TreeNode(parent=0, spans=[(0, 40, 52)], leaf_outcome=+1, fm_reward=1.0),
-        TreeNode(parent=0, spans=[(1, 40, 49)], leaf_outcome=-1, fm_reward=0.5),
+        ArrayTreeNode(parent=-1, spans=[(0, 10, 25), (1, 10, 25)]),       # shared first step
+        ArrayTreeNode(parent=0, spans=[(0, 40, 52)], leaf_outcome=+1, fm_reward=1.0),
+        ArrayTreeNode(parent=0, spans=[(1, 40, 49)], leaf_outcome=-1, fm_reward=0.5),
     ])
     arrays = stack_trees([tree, ...], max_nodes=16)                     # -> TreeArrays [Q, N]
     R_qn, A_qn = jax.vmap(partial(tree_advantages, gamma=.95, ...))(arrays.parent, ...)
@@ -26,8 +26,8 @@ Span = Tuple[int, int, int]  # (row in the packed batch, start, end) with end ex
 
 
 @dataclasses.dataclass
-class TreeNode:
-    """One step of a rollout tree.
+class ArrayTreeNode:
+    """One step of a rollout tree as the tree kernels see it: its parent, token spans and rewards.
 
     parent: index (in the tree's `nodes`) of the step before this one, -1 for a first step.
     spans: where this step's action tokens sit in the packed batch, one span per trajectory
@@ -44,7 +44,7 @@ class TreeNode:
 
 @dataclasses.dataclass
 class RolloutTree:
-    nodes: List[TreeNode]
+    nodes: List[ArrayTreeNode]
 
 
 @dataclasses.dataclass
