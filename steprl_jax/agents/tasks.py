@@ -62,13 +62,21 @@ def build_suite(config, split: str | None = None) -> TaskSuite:
 
         if not config.task.path:
             raise ValueError("config.task.path: a HotPotQA JSONL file is needed for task.name=hotpotqa")
-        examples = _select(load_hotpotqa(config.task.path), config)
+        from steprl_jax.data.hotpotqa import hotpotqa_demonstrations
+
+        rows = load_hotpotqa(config.task.path)
+        examples = _select(rows, config)
         tasks = [Task(e.id, e.question, list(e.answers)) for e in examples]
         corpus = config.task.corpus_path or config.task.path
         index = (BM25Search.from_jsonl(corpus) if corpus.endswith(".jsonl") and corpus != config.task.path
                  else BM25Search.from_hotpotqa(corpus))
+        # Worked search examples from the file's other rows, never sharing a title with a task.
+        start = int(config.task.offset)
+        stop = start + int(config.task.num_tasks) if config.task.num_tasks else len(rows)
+        demos = hotpotqa_demonstrations(rows[:start] + rows[stop:], index, int(config.env.few_shot),
+                                        top_k=int(config.task.search_top_k), exclude=examples)
         partial = float(config.judge.partial_f1) or None
-        return TaskSuite(tasks, _tagged_env(config, search_index=index),
+        return TaskSuite(tasks, _tagged_env(config, search_index=index, examples=demos),
                          lambda task, traj: rules.hotpotqa_outcome(traj.final_answer, task.reference, partial))
     if name == "toolworld":
         return _toolworld_suite(config)
