@@ -151,7 +151,7 @@ class RolloutEngine:
                 finished = [b for b in waiting if b.future.done()]
                 self.stats.tool_wait_s += time.perf_counter() - t0
                 waiting = [b for b in waiting if not b.future.done()]
-                state = self._append_observations(state, finished)
+                state = self._append_observations(state, finished, branches)
                 ready = [b for b in finished if not b.done]
         return state
 
@@ -217,23 +217,54 @@ class RolloutEngine:
         elif branch.length + len(step.observation_ids) + self.config.max_new_tokens > self._max_context:
             branch.done, branch.termination = True, "context"
 
-    def _append_observations(self, state, branches: list[_Branch]):
-        tokens = [[] for _ in range(state.num_rows)]
-        appended = 0
+    def _append_observations(self, state, branches: list[_Branch], in_state: list[_Branch]):
+        """Append the last observation of each of `branches` to its row; `in_state`: every branch
+        holding a row of `state`.
+
+        All rows share cache slot indices, so an append is bounded by the longest row in the state,
+        finished rows included. When it does not fit, the finished rows are dropped (live rows
+        renumbered) and it is tried again; a branch whose observation still does not fit ends
+        with termination "context", like one whose generation does not fit.
+        """
+        from steprl_jax.sampling import ContextOverflowError
+
+        pending = []
         for branch in branches:
             branch.future.result()  # re-raise a bug in host code here, not silently
             branch.future = None
-            if branch.done:
+            if not branch.done:
+                pending.append(branch)
+        while pending:
+            try:
+                return self._append(state, pending)
+            except ContextOverflowError:  # raised before any computation: `state` is intact
+                pass
+            live = [b for b in in_state if not b.done]
+            if len(live) < state.num_rows:
+                state = self._fork(state, [b.row for b in live])
+                for row, branch in enumerate(live):
+                    branch.row = row
                 continue
-            ids = branch.steps[-1].observation_ids
-            branch.length += len(ids)
-            tokens[branch.row] = ids
-            appended += len(ids)
+            # An append needs as many slots as its longest observation: end the longest ones first.
+            longest = max(len(b.steps[-1].observation_ids) for b in pending)
+            for branch in pending:
+                if len(branch.steps[-1].observation_ids) == longest:
+                    branch.done, branch.termination = True, "context"
+            pending = [b for b in pending if not b.done]
+        return state
+
+    def _append(self, state, branches: list[_Branch]):
+        tokens = [[] for _ in range(state.num_rows)]
+        for branch in branches:
+            tokens[branch.row] = branch.steps[-1].observation_ids
+        appended = sum(len(ids) for ids in tokens)
         if appended:
             t0 = time.perf_counter()
             state = self.sampler.append(state, tokens)
             self.stats.append_s += time.perf_counter() - t0
             self.stats.appended_tokens += appended
+        for branch in branches:
+            branch.length += len(branch.steps[-1].observation_ids)
         return state
 
     # ------------------------------------------------------------------ trees
@@ -275,15 +306,15 @@ class RolloutEngine:
             concurrent.futures.wait([c.future for c in candidates])  # trees advance in lock step
             if schedule == "resample" and depth > 1:
                 candidates, state = self._resample(state, candidates, trees, finished, n, rng)
+            state = self._append_observations(state, candidates, candidates)
             for cand in candidates:
                 record = record_of[cand.task.id]
                 parent_node = cand.node_ids[-1] if cand.node_ids else -1
                 record.nodes.append(TreeNode(parent=parent_node, step=cand.steps[-1], depth=len(cand.steps)))
                 cand.node_ids.append(len(record.nodes) - 1)
-                if cand.done:  # settled by `_act`: this node is a leaf
+                if cand.done:  # settled by `_act` or by an observation that did not fit: a leaf
                     record.leaf_terminations[str(cand.node_ids[-1])] = cand.termination
                     record.leaf_answers[str(cand.node_ids[-1])] = cand.final_answer
-            state = self._append_observations(state, candidates)
             finished += [c for c in candidates if c.done]
             branches = [c for c in candidates if not c.done]
         for (_, task) in trees:
