@@ -79,14 +79,20 @@ def _split_rows(batch, parts: int):
     return [jax.tree.map(lambda x: x[i * n:(i + 1) * n], batch) for i in range(parts)]
 
 
-def train_offline(spec: OfflineSpec, model, *, workdir: str, seed: int, ref_params=None, progress: bool = True):
-    """Run (or resume) `spec`; returns (graphdef, final train state)."""
+def train_offline(spec: OfflineSpec, model, *, workdir: str, seed: int, ref_params=None, progress: bool = True,
+                  base_source: Optional[str] = None):
+    """Run (or resume) `spec`; returns (graphdef, final train state). With `base_source` (the
+    load_pretrained source of `model`) the checkpoint folder loads as a policy itself."""
     if not spec.items:
         raise ValueError(f"{spec.name}: no training items (did the filter keep anything?)")
     tx = make_optimizer(spec.optimizer)
     # On copies: the train step donates its state, and the caller's model must stay usable.
     graphdef, state, _ = create_train_state(copy_model(*split_model(model)), tx, seed=seed)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints", spec.name), max_to_keep=2)
+    if base_source is not None:
+        from steprl_jax.models.orbax_policy import write_policy_file
+
+        write_policy_file(ckpt.directory, base_source)
     start = 0
     if ckpt.latest_step() is not None:
         state, position = ckpt.restore(like=state)

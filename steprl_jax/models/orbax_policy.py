@@ -1,0 +1,64 @@
+"""A training run's orbax checkpoint folder as a model source for `load_pretrained`.
+
+The offline and online loops write `<checkpoints>/<name>/policy.json` beside their numbered
+checkpoints: {"base": the load_pretrained source the run started from}. Loading builds the base
+model (architecture and tokenizer), then restores only the parameters of the latest (or a given)
+step: the optimizer state is never read.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+POLICY_FILE = "policy.json"
+
+
+def is_orbax_policy(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, POLICY_FILE))
+
+
+def write_policy_file(directory: str, base_source: str) -> None:
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, POLICY_FILE + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({"base": base_source}, f)
+    os.replace(tmp, os.path.join(directory, POLICY_FILE))
+
+
+def latest_step(directory: str) -> int:
+    steps = [int(d) for d in os.listdir(directory)
+             if d.isdigit() and os.path.exists(os.path.join(directory, d, "state", "commit_success.txt"))]
+    if not steps:
+        raise FileNotFoundError(f"{directory}: no complete checkpoint step")
+    return max(steps)
+
+
+def restore_params(model, directory: str, step: Optional[int] = None):
+    """Set `model`'s parameters from the checkpoint's train state (params only)."""
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    step = latest_step(directory) if step is None else int(step)
+    path = os.path.join(directory, str(step), "state")
+    checkpointer = ocp.PyTreeCheckpointer()
+    saved = checkpointer.metadata(path).item_metadata.tree["params"]
+    target = {"params": jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), saved)}
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
+    out = checkpointer.restore(path, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args,
+                                                                  partial_restore=True))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    # Saved as {"value": array} per variable; replace_by_pure_dict takes the arrays themselves.
+    pure = jax.tree.map(lambda d: d["value"], out["params"], is_leaf=lambda x: isinstance(x, dict) and set(x) == {"value"})
+    nnx.replace_by_pure_dict(params, pure)
+    return nnx.merge(graphdef, params, rest)
+
+
+def load_orbax_policy(directory: str, load_base, **kwargs):
+    """(model, tokenizer): `load_base(source, **kwargs)` for the architecture, then the checkpoint's params."""
+    with open(os.path.join(directory, POLICY_FILE), encoding="utf-8") as f:
+        base = json.load(f)["base"]
+    model, tokenizer = load_base(base, **kwargs)
+    return restore_params(model, directory), tokenizer
