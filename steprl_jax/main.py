@@ -46,6 +46,7 @@ def run(config) -> dict:
 def main(argv):
     del argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's per-save INFO lines
     started = time.time()
     metrics = run(_CONFIG.value)
     print(f"done in {time.time() - started:.1f} s; workdir {os.path.abspath(_CONFIG.value.workdir)}")
