@@ -18,10 +18,10 @@ def get_config(arg=None):
     c.workdir = "runs/swirl_arithmetic"
     c.stages = "collect,judge,filter,train,eval"  # add sft for the baseline
     c.task.splits = True  # disjoint built-in train / test splits
-    c.task.num_tasks = 24  # training questions
+    c.task.num_tasks = 16  # training questions
     c.task.eval_path = ""
     c.task.eval_offset = 0
-    c.task.eval_num_tasks = 48  # held-out questions
+    c.task.eval_num_tasks = 32  # held-out questions
     c.env.few_shot = 1  # one worked example keeps states short
     c.rollout.max_steps = 5
     c.rollout.max_new_tokens = 64
@@ -36,7 +36,7 @@ def get_config(arg=None):
         train=ConfigDict(dict(
             group_size=4,  # G fresh actions per saved state
             batch_size=8,  # states per update
-            updates=8, ppo_epochs=1, minibatches=1, num_microbatches=1,
+            updates=6, ppo_epochs=1, minibatches=1, num_microbatches=1,
             advantage="rloo",  # rloo | zscore
             scale_by_std=False, agg="token_mean", eps_low=0.2, eps_high=0.2,
             kl_coef=0.0,  # k3 KL to the frozen initial policy
