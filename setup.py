@@ -6,6 +6,9 @@ setup(
     description="Step-wise RL (SWiRL, PORTool, GRPO, DAPO, ARPO) for tool-using LLM agents in JAX/Flax",
     python_requires=">=3.10",
     packages=find_packages(include=["steprl_jax", "steprl_jax.*"]),
+    # Every third-party module steprl_jax imports at run time (no comments inside this list: CI's check
+    # reads it as text). jinja2: transformers' apply_chat_template needs it but lists it only in an
+    # extra. tensorboardX: training runs write TensorBoard event files.
     install_requires=[
         "jax>=0.7,<0.11",
         "flax>=0.12,<0.13",
@@ -15,6 +18,7 @@ setup(
         "ml-collections>=1.0,<2",
         "absl-py>=1.4",
         "transformers>=4.56,<6",
+        "jinja2>=3.1",
         "tokenizers>=0.21,<1",
         "safetensors>=0.5,<1",
         "gguf>=0.17,<1",
@@ -24,6 +28,7 @@ setup(
         "bm25s>=0.2.10,<0.4",
         "tqdm>=4.66",
         "matplotlib>=3.8",
+        "tensorboardX>=2.6",
     ],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6.100", "torch==2.13.0", "accelerate>=1.0"],

@@ -273,7 +273,8 @@ def group_advantages(rewards: Sequence[Optional[float]], group_ids: Sequence[int
     g = np.asarray(group_ids, np.int32)
     if kind == "zscore":
         return np.asarray(group_zscore(jnp.asarray(r), jnp.asarray(g), num_groups, valid_n=jnp.asarray(valid), eps=eps))
-    adv = np.asarray(group_rloo(jnp.asarray(r), jnp.asarray(g), num_groups, valid_n=jnp.asarray(valid)))
+    # np.array: a writable copy (np.asarray of a jax array is a read-only view)
+    adv = np.array(group_rloo(jnp.asarray(r), jnp.asarray(g), num_groups, valid_n=jnp.asarray(valid)))
     if scale_by_std:
         for group in range(num_groups):
             members = (g == group) & valid
