@@ -1,0 +1,124 @@
+"""SWiRL stage 2 killed with SIGKILL after a checkpoint and resumed ends with the same parameters,
+bit for bit, as an uninterrupted run (real `python -m steprl_jax.main` processes).
+
+The policy is a tiny random model exported with `export_hf` (the processes load it from disk); the
+reward model is a stub endpoint on 127.0.0.1 whose graded score is a hash of the request, so the
+rewards are the same in every process and the advantages are not all zero.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from steprl_jax.algorithms import swirl
+from steprl_jax.data.units import write_units
+from steprl_jax.models import export_hf
+from swirl_helpers import RewardServer, hand_units, smol_tokenizer, tiny_config, tiny_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+UPDATES = 4
+
+# configs/swirl_arithmetic.py's `reward` has only kind and scale, so an http reward model cannot be
+# set from the command line; this config adds the http keys and changes nothing else.
+CONFIG = '''
+from ml_collections import ConfigDict
+
+from configs import swirl_arithmetic
+
+
+def get_config(arg=None):
+    c = swirl_arithmetic.get_config()
+    c.reward = ConfigDict(dict(kind="http", scale="graded", base_url="", model="stub", timeout_s=10.0, retries=0,
+                               backoff_s=0.01, max_backoff_s=0.02))
+    return c
+'''
+
+
+@pytest.fixture(scope="module")
+def server():
+    stub = RewardServer()
+    yield stub
+    stub.close()
+
+
+def _command(config_path, model_dir, workdir, base_url):
+    return [sys.executable, "-m", "steprl_jax.main", f"--config={config_path}", f"--config.model.source={model_dir}",
+            f"--config.workdir={workdir}", "--config.stages=train", f"--config.reward.base_url={base_url}",
+            "--config.task.num_tasks=2", "--config.rollout.max_new_tokens=16", "--config.rollout.max_steps=2",
+            "--config.swirl.filter=none", "--config.swirl.train.group_size=2", "--config.swirl.train.batch_size=2",
+            f"--config.swirl.train.updates={UPDATES}", "--config.swirl.train.save_every=1",
+            "--config.optimizer.learning_rate=0.001", "--config.progress=False"]
+
+
+def _checkpoints(workdir) -> list:
+    folder = os.path.join(workdir, "checkpoints", "swirl")
+    return sorted(int(n) for n in os.listdir(folder) if n.isdigit()) if os.path.isdir(folder) else []
+
+
+def _metrics(workdir) -> dict:
+    rows = {}
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        for line in f:
+            row = json.loads(line)
+            rows[row["step"]] = {k: v for k, v in row.items() if k != "time" and not k.endswith("_s")}
+    return rows
+
+
+def test_killed_stage2_resumes_bit_identically(tmp_path, server):
+    tokenizer = smol_tokenizer()
+    model_dir = export_hf(tiny_model(tokenizer, seed=11), tokenizer, str(tmp_path / "model"))
+    config_path = tmp_path / "swirl_http_reward.py"
+    config_path.write_text(CONFIG)
+    workdirs = {name: str(tmp_path / name) for name in ("straight", "killed")}
+    units = hand_units(tiny_config(tmp_path / "unused"), tokenizer)
+    for workdir in workdirs.values():
+        write_units(swirl.units_path(tiny_config(workdir)), units)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("straight", "killed", "resumed")}
+
+    def start(name, workdir):
+        return subprocess.Popen(_command(config_path, model_dir, workdir, server.base_url), cwd=ROOT, env=env,
+                                stdout=logs[name], stderr=subprocess.STDOUT)
+
+    straight = start("straight", workdirs["straight"])  # side by side with the interrupted one
+    killed = start("killed", workdirs["killed"])
+    resumed = None
+    try:
+        deadline = time.time() + 400
+        while not _checkpoints(workdirs["killed"]) and killed.poll() is None and time.time() < deadline:
+            time.sleep(0.01)
+        assert killed.poll() is None, "the run did not stay alive until its first checkpoint: " + \
+            (tmp_path / "killed.log").read_text()[-3000:]
+        killed.send_signal(signal.SIGKILL)
+        killed.wait()
+        left = _checkpoints(workdirs["killed"])
+        assert left and max(left) < UPDATES, left  # interrupted after a checkpoint, before the end
+        assert not os.path.exists(os.path.join(workdirs["killed"], "policy", "swirl"))
+        resumed = start("resumed", workdirs["killed"])
+        assert straight.wait(timeout=400) == 0, (tmp_path / "straight.log").read_text()[-3000:]
+        assert resumed.wait(timeout=400) == 0, (tmp_path / "resumed.log").read_text()[-3000:]
+    finally:
+        for proc in (straight, killed, resumed):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+        for f in logs.values():
+            f.close()
+    assert f"swirl: resumed at update {max(left)}" in (tmp_path / "resumed.log").read_text()
+
+    final = {name: load_file(os.path.join(w, "policy", "swirl", "model.safetensors")) for name, w in workdirs.items()}
+    initial = load_file(os.path.join(model_dir, "model.safetensors"))
+    assert sorted(final["straight"]) == sorted(final["killed"]) == sorted(initial)
+    assert any(not np.array_equal(final["straight"][k], initial[k]) for k in initial)  # it trained
+    differ = [k for k in initial if final["straight"][k].dtype != final["killed"][k].dtype
+              or final["straight"][k].tobytes() != final["killed"][k].tobytes()]
+    assert not differ, f"resumed parameters differ from the uninterrupted run's in {differ}"
+    # and so does everything logged after the resume point (rewards, losses, ratios)
+    straight_rows, resumed_rows = _metrics(workdirs["straight"]), _metrics(workdirs["killed"])
+    assert sorted(straight_rows) == sorted(resumed_rows) == list(range(1, UPDATES + 1))
+    assert all(straight_rows[s] == resumed_rows[s] for s in straight_rows)
