@@ -326,6 +326,7 @@ def e2e(tmp_path_factory, tok, server):
     workdir = tmp_path_factory.mktemp("swirl_e2e")
     config = tiny_config(workdir, reward_url=server.base_url)
     config.stages = "collect,judge,filter,train,sft,eval"
+    config.swirl.train.kl_coef = 0.01  # the frozen reference policy's path too
     model = tiny_model(tok, seed=0)
     initial = _params(model)
     summary = swirl.run(config, (model, tok))
@@ -402,8 +403,9 @@ def test_stage2_first_ratio_is_one_after_each_sampling(e2e):
         assert r["first_clipfrac"] == 0.0 and r["reward_failed"] == 0.0
         assert r["trained_tokens"] > 0 and r["samples"] == 4
     # the first update moved the policy (non-zero advantages), so update 2's ratio of 1 means the
-    # sampler had the updated parameters
+    # sampler had the updated parameters; the KL to the frozen initial policy is 0, then not
     assert rows[0]["advantage_abs"] > 0 and rows[0]["grad_norm"] > 0
+    assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-6) and rows[1]["kl"] > 1e-6
 
 
 def test_a_second_run_redoes_nothing(e2e, tok):

@@ -16,6 +16,8 @@ import os
 import tempfile
 from typing import Iterable, Optional
 
+from steprl_jax.data.jsonl import DataFormatError, load_records
+
 UNITS_VERSION = 1
 
 
@@ -40,7 +42,7 @@ class Unit:
         return {"version": UNITS_VERSION, **d}
 
 
-class UnitsError(ValueError):
+class UnitsError(DataFormatError):
     """A units file is missing or holds a line that is not a valid unit (file and line named)."""
 
 
@@ -63,30 +65,27 @@ def write_units(path: str, units: Iterable[Unit]) -> int:
     return n
 
 
+def _parse_unit(data, where: str) -> Unit:
+    if not isinstance(data, dict) or data.get("version") != UNITS_VERSION:
+        raise UnitsError(f"{where}: not a version-{UNITS_VERSION} unit")
+    fields = {k: v for k, v in data.items() if k != "version"}
+    missing, unknown = _FIELDS - set(fields) - {"process_label", "outcome_label"}, set(fields) - _FIELDS
+    if missing or unknown:
+        raise UnitsError(f"{where}: missing fields {sorted(missing)}, unknown fields {sorted(unknown)}")
+    unit = Unit(**{**fields, **{k: tuple(fields[k]) for k in ("state_ids", "action_ids", "action_logprobs")}})
+    if not unit.state_ids or not unit.action_ids or len(unit.action_ids) != len(unit.action_logprobs):
+        raise UnitsError(f"{where}: a unit needs state and action ids, one log-prob per action token")
+    if not all(isinstance(t, int) and t >= 0 for t in unit.state_ids + unit.action_ids):
+        raise UnitsError(f"{where}: token ids must be non-negative integers")
+    return unit
+
+
 def read_units(path: str) -> list[Unit]:
     if not os.path.exists(path):
         raise UnitsError(f"{path}: no units file (run the 'filter' stage first)")
-    units = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                data = json.loads(line)
-            except ValueError as err:
-                raise UnitsError(f"{where}: invalid JSON ({err})") from None
-            if not isinstance(data, dict) or data.get("version") != UNITS_VERSION:
-                raise UnitsError(f"{where}: not a version-{UNITS_VERSION} unit")
-            fields = {k: v for k, v in data.items() if k != "version"}
-            missing, unknown = _FIELDS - set(fields) - {"process_label", "outcome_label"}, set(fields) - _FIELDS
-            if missing or unknown:
-                raise UnitsError(f"{where}: missing fields {sorted(missing)}, unknown fields {sorted(unknown)}")
-            unit = Unit(**{**fields, "state_ids": tuple(fields["state_ids"]), "action_ids": tuple(fields["action_ids"]),
-                           "action_logprobs": tuple(fields["action_logprobs"])})
-            if not unit.state_ids or not unit.action_ids or len(unit.action_ids) != len(unit.action_logprobs):
-                raise UnitsError(f"{where}: a unit needs state and action ids, one log-prob per action token")
-            if not all(isinstance(t, int) and t >= 0 for t in unit.state_ids + unit.action_ids):
-                raise UnitsError(f"{where}: token ids must be non-negative integers")
-            units.append(unit)
-    return units
+    try:
+        return load_records(path, _parse_unit)
+    except UnitsError:
+        raise
+    except DataFormatError as err:  # invalid JSON, reported by the shared reader
+        raise UnitsError(str(err)) from None
