@@ -27,12 +27,13 @@ from steprl_jax.algorithms.offline import copy_model
 from steprl_jax.algorithms.workdir import IncompatibleRunError
 from steprl_jax.data.units import UnitsError, read_units, write_units
 from steprl_jax.judges.rewards import Reward
+from steprl_jax.models import load_pretrained
 from steprl_jax.sampling import Sampler, SamplingParams
 from steprl_jax.sampling.params import Generation
 from steprl_jax.training import OptimizerConfig, TrainStepConfig, create_train_state, make_optimizer, make_train_step
 from steprl_jax.training.forward import sequence_logprobs
 from steprl_jax.training.metrics_log import read_metrics
-from steprl_jax.training.pack import Row, Span, pack
+from steprl_jax.training.pack import pack
 from steprl_jax.training.state import merge_model, split_model
 from swirl_helpers import (CALCULATOR_ACTION, RewardServer, chain_model, hand_units, reward_config, smol_tokenizer,
                            tiny_config, tiny_model, unused_port)
@@ -54,7 +55,8 @@ def server():
 
 @functools.partial(jax.jit, static_argnums=0)
 def _logp_jit(graphdef, params, rest, tokens, mask, temperature):
-    return sequence_logprobs(merge_model(graphdef, params, rest), tokens, attention_mask_bt=mask, temperature=temperature)
+    model = merge_model(graphdef, params, rest)
+    return sequence_logprobs(model, tokens, attention_mask_bt=mask, temperature=temperature)
 
 
 def _logprobs(model, sequences, temperature=1.0) -> list:
@@ -350,7 +352,8 @@ def test_every_stage_writes_its_outputs(e2e, tok):
                  "eval/base.json", "eval/sft.json", "eval/swirl.json", "comparison.md", "curves.png",
                  "metrics.jsonl", "run.json"):
         assert name in files, name
-    assert any(n.startswith("tb/swirl/") for n in files) and any(n.startswith("tb/sft/") for n in files)
+    for stage in ("swirl", "sft"):
+        assert any(n.startswith(f"tb/{stage}/events.out.tfevents") for n in files), stage
     for stage in ("swirl", "sft"):
         steps = sorted(int(d) for d in os.listdir(os.path.join(w, "checkpoints", stage)) if d.isdigit())
         assert steps and steps[-1] == 2, (stage, steps)
@@ -364,8 +367,6 @@ def test_every_stage_writes_its_outputs(e2e, tok):
     assert all(f"| {name} |" in comparison for name in ("base", "sft", "swirl"))
     assert os.path.getsize(os.path.join(w, "curves.png")) > 1000
     assert set(e2e.summary) == set(swirl.STAGES) and set(e2e.summary["eval"]) == {"base", "sft", "swirl"}
-
-    from steprl_jax.models import load_pretrained
 
     ids = jnp.asarray([list(read_units(swirl.units_path(e2e.config))[0].state_ids)[:32]])
     base_logits = np.asarray(e2e.model(ids))
