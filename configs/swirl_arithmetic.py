@@ -44,7 +44,9 @@ def get_config(arg=None):
         sft=ConfigDict(dict(epochs=2, batch_size=8, num_microbatches=1)),
     ))
     # R(a | s): rule (documented heuristic) | local | http; scale binary (GOOD/BAD -> 1/0) | graded.
-    c.reward = ConfigDict(dict(kind="rule", scale="binary"))
+    # Empty fields are unset; http needs base_url and model, local takes model (default: the policy).
+    c.reward = ConfigDict(dict(kind="rule", scale="binary", base_url="", model="", api_key_env="OPENAI_API_KEY",
+                               votes=1, retries=3, timeout_s=60.0))
     c.optimizer = ConfigDict(dict(learning_rate=2e-5, warmup_steps=0, end_lr_ratio=0.1, weight_decay=0.0,
                                   max_grad_norm=1.0))
     c.eval = ConfigDict(dict(temperature=0.0, episodes_per_task=1))

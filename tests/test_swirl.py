@@ -648,4 +648,7 @@ def test_a_reward_endpoint_that_is_down_drops_every_sample(tmp_path, tok):
     assert out["reward_stats"]["failed/backend"] == 4
     (row,) = read_metrics(str(tmp_path))["swirl"]
     assert row["skipped"] == 1.0 and row["reward_failed"] == 4.0 and row["samples"] == 4.0
-    assert os.path.isfile(os.path.join(tmp_path, "policy", "swirl", "model.safetensors"))
+    # Nothing was trained: no policy is exported under SWiRL's name, but the data position is saved.
+    assert out["train_steps"] == 0
+    assert not os.path.exists(os.path.join(tmp_path, "policy", "swirl"))
+    assert os.path.isdir(os.path.join(tmp_path, "checkpoints", "swirl", "1"))

@@ -110,30 +110,14 @@ def train_offline(spec: OfflineSpec, model, *, workdir: str, seed: int, ref_para
             rows, metrics = spec.build(batch_items(spec.items, spec.batch_size, update, seed), update, policy)
             if not rows:
                 log.warning("%s: update %d has no rows (every sample dropped); skipped", spec.name, update)
-                metrics_log.write(update, {**metrics, "skipped": 1.0})
-                bar.update(1)
-                continue
-            batch = pack(rows, num_microbatches=spec.num_microbatches * spec.minibatches, min_rows=spec.min_rows,
-                         max_length=spec.max_length)
-            if logprob_fn is not None:
-                batch = batch.replace(ref_logp=logprob_fn(ref_params, state.rest, batch.tokens, batch.attention_mask,
-                                                          batch.loss_mask, batch.positions, batch.branch_ids))
-            t1 = time.perf_counter()
-            step_metrics = []
-            for _ in range(spec.ppo_epochs):
-                for part in _split_rows(batch, spec.minibatches):
-                    state, m = step_fn(state, part)
-                    step_metrics.append(m)
-            step_metrics = jax.device_get(step_metrics)
-            metrics.update(_first_and_mean(step_metrics))
-            metrics.update(train_s=time.perf_counter() - t1, update_s=time.perf_counter() - t0,
-                           rows=len(rows), tokens=float(np.sum(batch.attention_mask)),
-                           trained_tokens=float(np.sum(batch.loss_mask)), padded_tokens=float(batch.tokens.size))
-            metrics_log.write(update + 1, metrics)
-            if spec.after_update is not None:
-                spec.after_update(update, state)
+                metrics_log.write(update + 1, {**metrics, "skipped": 1.0})
+            else:
+                state = _train_update(spec, step_fn, logprob_fn, ref_params, state, rows, metrics, t0)
+                metrics_log.write(update + 1, metrics)
+                if spec.after_update is not None:
+                    spec.after_update(update, state)
             if (update + 1) % spec.save_every == 0 or update + 1 == spec.updates:
-                ckpt.save(state, data_position={"update": update + 1})
+                ckpt.save(state, data_position={"update": update + 1}, step=update + 1)
             bar.update(1)
             bar.set_postfix({k: f"{metrics[k]:.3g}" for k in ("reward", "loss") if k in metrics})
     finally:
@@ -141,6 +125,27 @@ def train_offline(spec: OfflineSpec, model, *, workdir: str, seed: int, ref_para
         metrics_log.close()
         ckpt.close()
     return graphdef, state
+
+
+def _train_update(spec: OfflineSpec, step_fn, logprob_fn, ref_params, state, rows, metrics: dict, t0: float):
+    """Pack the update's rows and run ppo_epochs x minibatches train steps; fills `metrics`."""
+    batch = pack(rows, num_microbatches=spec.num_microbatches * spec.minibatches, min_rows=spec.min_rows,
+                 max_length=spec.max_length)
+    if logprob_fn is not None:
+        batch = batch.replace(ref_logp=logprob_fn(ref_params, state.rest, batch.tokens, batch.attention_mask,
+                                                  batch.loss_mask, batch.positions, batch.branch_ids))
+    t1 = time.perf_counter()
+    step_metrics = []
+    for _ in range(spec.ppo_epochs):
+        for part in _split_rows(batch, spec.minibatches):
+            state, m = step_fn(state, part)
+            step_metrics.append(m)
+    step_metrics = jax.device_get(step_metrics)
+    metrics.update(_first_and_mean(step_metrics))
+    metrics.update(train_s=time.perf_counter() - t1, update_s=time.perf_counter() - t0,
+                   rows=len(rows), tokens=float(np.sum(batch.attention_mask)),
+                   trained_tokens=float(np.sum(batch.loss_mask)), padded_tokens=float(batch.tokens.size))
+    return state
 
 
 def _first_and_mean(step_metrics: list[dict]) -> dict:

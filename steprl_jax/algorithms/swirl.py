@@ -34,7 +34,7 @@ from steprl_jax.agents.records import RecordStore, Trajectory
 from steprl_jax.agents.tasks import build_suite
 from steprl_jax.algorithms import sft as sft_lib
 from steprl_jax.algorithms.offline import OfflineSpec, export_policy, train_offline, update_key
-from steprl_jax.algorithms.workdir import check_manifest, mark_stage, stage_done
+from steprl_jax.algorithms.workdir import check_manifest, clear_stage, mark_stage, stage_done
 from steprl_jax.data.units import Unit, read_units, write_units
 from steprl_jax.evaluation.metrics import write_json_atomic
 from steprl_jax.training import LossConfig, OptimizerConfig
@@ -103,10 +103,35 @@ def run(config, model_and_tokenizer=None) -> dict:
                                                                compute_dtype=config.model.compute_dtype)
     summary = {}
     for stage in stages:
+        done = stage_done(config.workdir, stage)
+        if stage != "eval" and done is not None and done.get("key") == _stage_key(config, stage):
+            log.info("stage %s: complete, skipped (%s)", stage, os.path.join(config.workdir, "stages"))
+            summary[stage] = done
+            continue
         t0 = time.perf_counter()
-        summary[stage] = _STAGE_FNS[stage](config, model, tokenizer)
+        result = _STAGE_FNS[stage](config, model, tokenizer)
+        # What a stage read may have changed: later stages run again.
+        for later in STAGES[STAGES.index(stage) + 1:]:
+            clear_stage(config.workdir, later)
+        mark_stage(config.workdir, stage, {**result, "key": _stage_key(config, stage)})
+        summary[stage] = result
         log.info("stage %s done in %.1f s", stage, time.perf_counter() - t0)
     return summary
+
+
+def _stage_key(config, stage: str) -> dict:
+    """The settings a stage's output depends on (beyond the run manifest): a completed stage with
+    the same key is skipped; one with another key runs again (and resumes what it can)."""
+    s = config.swirl
+    keys = {"collect": {"temperature": float(config.rollout.temperature)},
+            "judge": {"outcome": config.judge.outcome.kind, "process": config.judge.process.kind},
+            "filter": {"filter": s.filter, "granularity": s.granularity, "drop_easy": bool(s.drop_easy)},
+            "train": {"filter": s.filter, "granularity": s.granularity, **s.train.to_dict(),
+                      "reward": config.reward.to_dict(), "optimizer": config.optimizer.to_dict()},
+            "sft": {"filter": s.filter, "granularity": s.granularity, **s.sft.to_dict(),
+                    "optimizer": config.optimizer.to_dict()},
+            "eval": {}}
+    return keys[stage]
 
 
 # ----------------------------------------------------------------------------- collect
@@ -139,7 +164,6 @@ def collect(config, model, tokenizer) -> dict:
     records = [r for r in store if isinstance(r, Trajectory)]
     out = {"trajectories": len(records), "questions": len(suite.tasks),
            "terminations": dict(collections.Counter(r.termination for r in records))}
-    mark_stage(config.workdir, "collect", out)
     return out
 
 
@@ -172,7 +196,6 @@ def judge(config, model, tokenizer) -> dict:
     labels = collections.Counter(v.get("label") for t in judged for v in t.judgements.get("process", []))
     outcomes = collections.Counter(t.judgements.get("outcome", {}).get("label") for t in judged)
     out = {"trajectories": len(judged), "process_labels": dict(labels), "outcome_labels": dict(outcomes)}
-    mark_stage(config.workdir, "judge", out)
     return out
 
 
@@ -216,7 +239,7 @@ def filter_units(trajectories: Sequence[Trajectory], strategy: str, granularity:
     if strategy not in FILTERS or granularity not in GRANULARITIES:
         raise ValueError(f"filter {strategy!r}/{granularity!r}: expected one of {FILTERS} / {GRANULARITIES}")
     easy = easy_questions(trajectories) if drop_easy else set()
-    kept_units, kept_trajectories, kept_wrong = [], 0, 0
+    kept_units, kept_trajectories, kept_wrong, kept_unknown = [], 0, 0, 0
     use_process = strategy in ("process", "process_outcome")
     use_outcome = strategy in ("outcome", "process_outcome")
     for t in trajectories:
@@ -233,12 +256,14 @@ def filter_units(trajectories: Sequence[Trajectory], strategy: str, granularity:
             continue
         kept_units += units
         kept_trajectories += 1
-        kept_wrong += _outcome_label(t) != "true"
+        kept_wrong += _outcome_label(t) == "false"
+        kept_unknown += _outcome_label(t) not in ("true", "false")
     labels = collections.Counter(l for t in trajectories for l in _process_labels(t))
     stats = {"filter": strategy, "granularity": granularity, "trajectories": len(trajectories),
              "steps": sum(len(t.steps) for t in trajectories), "easy_questions_dropped": len(easy),
              "kept_trajectories": kept_trajectories, "kept_units": len(kept_units),
              "kept_trajectories_with_wrong_answer": kept_wrong,
+             "kept_trajectories_outcome_not_true_or_false": kept_unknown,
              "process_labels": {str(k): v for k, v in labels.items()},
              "outcome_labels": dict(collections.Counter(str(_outcome_label(t)) for t in trajectories))}
     return kept_units, stats
@@ -254,7 +279,6 @@ def filter_stage(config, model=None, tokenizer=None) -> dict:
     path = units_path(config)
     write_units(path, units)
     write_json_atomic(path[:-len(".jsonl")] + ".stats.json", stats)
-    mark_stage(config.workdir, "filter", stats)
     return stats
 
 
@@ -367,9 +391,13 @@ def train(config, model, tokenizer) -> dict:
         _, ref, _ = split_model(copy_model(*split_model(model)))  # the frozen initial policy, its own buffers
     graphdef, state = train_offline(spec, model, workdir=config.workdir, seed=int(config.seed), ref_params=ref,
                                     progress=bool(config.progress), base_source=config.model.source)
-    export_policy(graphdef, state, tokenizer, _path(config, "policy", "swirl"))
-    out = {"updates": int(t.updates), "units": len(units), "reward_stats": reward_model.stats.snapshot()}
-    mark_stage(config.workdir, "train", out)
+    trained_steps = int(jax.device_get(state.step))
+    if trained_steps:
+        export_policy(graphdef, state, tokenizer, _path(config, "policy", "swirl"))
+    else:  # every update skipped (e.g. the reward endpoint was down): no policy to call SWiRL
+        log.warning("stage 2 trained no update (every sample dropped); policy/swirl not exported")
+    out = {"updates": int(t.updates), "train_steps": trained_steps, "units": len(units),
+           "reward_stats": reward_model.stats.snapshot()}
     return out
 
 
@@ -385,7 +413,6 @@ def sft(config, model, tokenizer) -> dict:
                                     progress=bool(config.progress), base_source=config.model.source)
     export_policy(graphdef, state, tokenizer, _path(config, "policy", "sft"))
     out = {"updates": updates, "trajectories": len(groups)}
-    mark_stage(config.workdir, "sft", out)
     return out
 
 
@@ -417,9 +444,7 @@ def evaluate_policies(config, model, tokenizer) -> dict:
                            plot=False)
         write_json_atomic(out, metrics)
         results[name] = metrics
-    comparison = write_comparison(config.workdir, results)
-    mark_stage(config.workdir, "eval", {"policies": sorted(results)})
-    return comparison
+    return write_comparison(config.workdir, results)
 
 
 _STAGE_FNS = {"collect": collect, "judge": judge, "filter": filter_stage, "train": train, "sft": sft,
