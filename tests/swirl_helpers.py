@@ -4,10 +4,9 @@ reward-model endpoint on 127.0.0.1 whose GOOD/BAD depends only on the request (d
 processes, so a random model's stage 2 has non-zero advantages and the resume test is not vacuous)."""
 import functools
 import hashlib
-import http.server
 import json
-import threading
 
+from chat_stub import ChatStub
 from ml_collections import ConfigDict
 
 from steprl_jax.data.units import Unit
@@ -109,42 +108,9 @@ def graded_reply(body: dict) -> str:
     return f"Score: {hashlib.sha256(text.encode()).digest()[0] % 11}"
 
 
-class RewardServer:
-    """An OpenAI chat-completions endpoint on 127.0.0.1 answering `reply(body)`; keeps the bodies."""
-
-    def __init__(self, reply=graded_reply):
-        server = self
-        self.bodies = []
-        self.lock = threading.Lock()
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with server.lock:
-                    server.bodies.append(body)
-                reply = server.reply(body)
-                choices = [{"index": i, "message": {"role": "assistant", "content": reply}, "finish_reason": "stop"}
-                           for i in range(body.get("n", 1))]
-                payload = json.dumps({"object": "chat.completion", "choices": choices}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-
-        self.reply = reply
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-        self.base_url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+def RewardServer(reply=graded_reply):
+    """The stub endpoint answering `reply(body)` to every choice; `.requests` holds the bodies."""
+    return ChatStub(lambda body, i: reply(body))
 
 
 def unused_port() -> int:

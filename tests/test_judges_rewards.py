@@ -1,15 +1,12 @@
 """SWiRL's reward model R(a | s): the rule heuristic, the reward prompt (no golden answer), the HTTP kind
 against real servers on 127.0.0.1 (replies, votes, failures after retries, ordering), and configs."""
 import dataclasses
-import http.server
 import inspect
 import json
-import random
 import socket
-import threading
-import time
 
 import pytest
+from chat_stub import ChatStub
 
 from steprl_jax.agents.formats import render_tagged_observation
 from steprl_jax.judges import prompts
@@ -148,46 +145,10 @@ def test_reward_prompt_shows_state_and_action_and_never_the_golden_answer():
 
 
 # ------------------------------------------------------------------ model kinds over HTTP
-class ChatServer:
-    """A real OpenAI chat-completions endpoint on 127.0.0.1: `reply(user_text, i)` for choice i, or an
-    HTTP `status` for every request. Requests are answered after a small random delay, so that
-    concurrent items finish out of order."""
-
-    def __init__(self, reply=lambda text, i: "Verdict: GOOD", status=200):
-        self.reply, self.status, self.requests = reply, status, []
-        self.lock = threading.Lock()
-        stub = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with stub.lock:
-                    stub.requests.append(body)
-                time.sleep(random.uniform(0.0, 0.03))
-                if stub.status != 200:
-                    payload = b'{"error": {"message": "injected"}}'
-                else:
-                    text = body["messages"][-1]["content"]
-                    payload = json.dumps({"choices": [
-                        {"index": i, "message": {"role": "assistant", "content": stub.reply(text, i)}}
-                        for i in range(body.get("n", 1))]}).encode()
-                self.send_response(stub.status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.base_url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+def ChatServer(reply=lambda text, i: "Verdict: GOOD", status=200):
+    """The stub endpoint answering `reply(user_text, i)`, after a small random delay (concurrent
+    items finish out of order)."""
+    return ChatStub(lambda body, i: reply(body["messages"][-1]["content"], i), status=status, jitter_s=0.03)
 
 
 @pytest.fixture

@@ -456,8 +456,8 @@ def test_stage2_never_calls_a_tool(tmp_path, tok, monkeypatch):
     finally:
         server.close()
     assert out["updates"] == 1 and tool_runs == [] and executed == []
-    assert len(server.bodies) == 4  # batch 2 x G 2, each scored once
-    assert all(CALCULATOR_ACTION in body["messages"][-1]["content"] for body in server.bodies)
+    assert len(server.requests) == 4  # batch 2 x G 2, each scored once
+    assert all(CALCULATOR_ACTION in body["messages"][-1]["content"] for body in server.requests)
     assert out["reward_stats"]["failed/unparsed"] == 4
     (row,) = read_metrics(str(tmp_path))["swirl"]
     assert row["sampled_tokens"] == 4 * 14 and row["reward_failed"] == 4.0

@@ -49,17 +49,20 @@ class OfflineSpec:
     min_rows: int = 0
     max_length: Optional[int] = None
     after_update: Optional[Callable] = None  # (update, params) -> None, e.g. push to a sampler
+    needs_policy: bool = False  # build samples from the current parameters (a copy: the step donates them)
 
 
 def batch_items(items: Sequence[Any], batch_size: int, update: int, seed: int) -> list:
     """The items of `update`: consecutive slices of a per-epoch permutation (a fixed function of
     seed and update, so a resumed run sees the same batches)."""
     n = len(items)
+    orders: dict = {}
     out = []
     for k in range(update * batch_size, (update + 1) * batch_size):
         epoch, pos = divmod(k, n)
-        order = np.random.default_rng([seed, epoch]).permutation(n)
-        out.append(items[int(order[pos])])
+        if epoch not in orders:
+            orders[epoch] = np.random.default_rng([seed, epoch]).permutation(n)
+        out.append(items[int(orders[epoch][pos])])
     return out
 
 
@@ -106,7 +109,7 @@ def train_offline(spec: OfflineSpec, model, *, workdir: str, seed: int, ref_para
     try:
         for update in range(start, spec.updates):
             t0 = time.perf_counter()
-            policy = copy_model(graphdef, state.params, state.rest)
+            policy = copy_model(graphdef, state.params, state.rest) if spec.needs_policy else None
             rows, metrics = spec.build(batch_items(spec.items, spec.batch_size, update, seed), update, policy)
             if not rows:
                 log.warning("%s: update %d has no rows (every sample dropped); skipped", spec.name, update)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import tempfile
 
-from steprl_jax.evaluation.metrics import CI_METRICS, write_json_atomic
+from steprl_jax.evaluation.metrics import CI_METRICS, write_json_atomic, write_text_atomic
 from steprl_jax.evaluation.stats import paired_diff_ci
 from steprl_jax.training.metrics_log import read_metrics
 
@@ -60,18 +60,11 @@ def markdown(table: dict) -> str:
 def write_comparison(workdir: str, results: dict) -> dict:
     table = comparison(results)
     text = markdown(table)
-    _atomic_text(os.path.join(workdir, "comparison.md"), text)
+    write_text_atomic(os.path.join(workdir, "comparison.md"), text)
     write_json_atomic(os.path.join(workdir, "eval", "comparison.json"), table)
     curves_png(workdir, results, os.path.join(workdir, "curves.png"))
     print(text)
     return table
-
-
-def _atomic_text(path: str, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def curves_png(workdir: str, results: dict, path: str) -> None:

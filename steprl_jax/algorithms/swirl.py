@@ -21,6 +21,7 @@ only (no golden answer), and trains the clipped token-level loss on the action t
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import os
 import time
@@ -382,7 +383,7 @@ def train(config, model, tokenizer) -> dict:
     spec = OfflineSpec("swirl", units, builder, loss, _optimizer(config, steps), batch_size=int(t.batch_size),
                        updates=int(t.updates), ppo_epochs=int(t.ppo_epochs), minibatches=int(t.minibatches),
                        num_microbatches=int(t.num_microbatches), save_every=int(t.save_every),
-                       min_rows=int(t.batch_size))
+                       min_rows=int(t.batch_size), needs_policy=True)
     ref = None
     if spec.loss.kl_coef > 0:
         from steprl_jax.algorithms.offline import copy_model
@@ -434,8 +435,6 @@ def evaluate_policies(config, model, tokenizer) -> dict:
             continue
         out = _path(config, "eval", f"{name}.json")
         if os.path.exists(out):
-            import json
-
             with open(out, encoding="utf-8") as f:
                 results[name] = json.load(f)
             continue

@@ -67,6 +67,16 @@ def ci_metrics(trajectories: Sequence[Trajectory], seed: int = 0) -> dict:
     return out
 
 
+def write_text_atomic(path: str, text: str) -> None:
+    """Write to a temporary file in the same folder, then rename: a reader never sees half a file."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 def write_json_atomic(path: str, data) -> None:
     """Write to a temporary file in the same folder, then rename: a reader never sees half a file."""
     folder = os.path.dirname(os.path.abspath(path))

@@ -13,6 +13,7 @@ OpenAI-style `tool_calls`); messages are rendered as a plain transcript for the 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Mapping, Sequence
 
 History = str | Sequence[Mapping[str, Any]]
@@ -20,7 +21,8 @@ History = str | Sequence[Mapping[str, Any]]
 PROCESS_SYSTEM = (
     "You are a careful reviewer of an AI agent that solves tasks step by step with tools. "
     "You judge whether one step was reasonable, not whether the task ends up solved.")
-PROCESS_TEMPLATE = """The agent is working on this question:
+# What the process judge and the reward model both see before the step (never a golden answer).
+_STEP_CONTEXT = """The agent is working on this question:
 <question>
 {question}
 </question>
@@ -30,7 +32,8 @@ Everything the agent has done so far (its earlier actions and what the tools ret
 {history}
 </history>
 
-The agent's latest action:
+"""
+PROCESS_TEMPLATE = _STEP_CONTEXT + """The agent's latest action:
 <action>
 {action}
 </action>
@@ -166,17 +169,7 @@ def trajectory_messages(question: str, trajectory: History, reference: Any = Non
 REWARD_SYSTEM = (
     "You are a careful reviewer of an AI agent that solves tasks step by step with tools. "
     "You rate one proposed next step given what came before, not whether the task ends up solved.")
-REWARD_TEMPLATE = """The agent is working on this question:
-<question>
-{question}
-</question>
-
-Everything the agent has done so far (its earlier actions and what the tools returned):
-<history>
-{history}
-</history>
-
-The agent's proposed next action:
+REWARD_TEMPLATE = _STEP_CONTEXT + """The agent's proposed next action:
 <action>
 {action}
 </action>
@@ -191,8 +184,6 @@ REWARD_INSTRUCTIONS = {
                'and end with a final line of exactly "Score: N", where N is a whole number from 0 to 10.'),
 }
 
-
-import re  # noqa: E402  (this section is appended; the imports above are left as they were)
 
 # Chat-template markup that closes the user's turn and opens the assistant's (ChatML, Llama 3, Gemma).
 _TURN_MARKUP = re.compile(r"(?:\s*(?:<\|[^|<>\n]{1,40}\|>|</?(?:start|end)_of_turn>)\s*(?:assistant|model)?)*\s*")
