@@ -3,9 +3,8 @@ and its paired difference from the base policy) and `curves.png` (training curve
 from __future__ import annotations
 
 import os
-import tempfile
 
-from steprl_jax.evaluation.metrics import CI_METRICS, write_json_atomic, write_text_atomic
+from steprl_jax.evaluation.metrics import CI_METRICS, save_figure_atomic, write_json_atomic, write_text_atomic
 from steprl_jax.evaluation.stats import paired_diff_ci
 from steprl_jax.training.metrics_log import read_metrics
 
@@ -105,8 +104,4 @@ def curves_png(workdir: str, results: dict, path: str) -> None:
     ax.set_xlabel("update")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-", suffix=".png")
-    os.close(fd)
-    fig.savefig(tmp, dpi=90)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_figure_atomic(fig, path)

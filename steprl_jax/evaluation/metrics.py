@@ -77,6 +77,17 @@ def write_text_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+def save_figure_atomic(fig, path: str) -> None:
+    """A matplotlib figure as a PNG, written atomically; the figure is closed."""
+    import matplotlib.pyplot as plt
+
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-", suffix=".png")
+    os.close(fd)
+    fig.savefig(tmp, dpi=90)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
 def write_json_atomic(path: str, data) -> None:
     """Write to a temporary file in the same folder, then rename: a reader never sees half a file."""
     folder = os.path.dirname(os.path.abspath(path))
@@ -111,9 +122,4 @@ def summary_plot(metrics: dict, trajectories: Sequence[Trajectory], path: str, t
                  f"tool errors {metrics['tool_error_rate']:.1%}"
                  + (f"  process GOOD {good:.1%}" if good is not None else ""))
     fig.tight_layout()
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".png")
-    os.close(fd)
-    fig.savefig(tmp, dpi=90)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_figure_atomic(fig, path)
