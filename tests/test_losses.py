@@ -19,8 +19,24 @@ def np_agg(loss, mask, agg, norm=None):
     if agg == "seq_mean_token_mean":
         return np.mean([(loss[i] * mask[i]).sum() / mask[i].sum() for i in rows])
     if agg == "seq_mean_token_sum_norm":
-        return (loss * mask).sum() / (loss.shape[1] if norm is None else norm)
+        horizon = loss.shape[1] if norm is None else norm
+        return np.mean([(loss[i] * mask[i]).sum() for i in rows]) / horizon
     raise AssertionError(agg)
+
+
+def np_verl_sum_norm(loss_mat, loss_mask, loss_scale_factor=None, dp_size=1,
+                     global_batch_size=None):
+    """verl (v0.7.1 .. v0.9.0) core_algos.agg_loss, mode "seq-mean-token-sum-norm", in NumPy."""
+    loss_mat = np.asarray(loss_mat, np.float64)
+    loss_mask = np.asarray(loss_mask, np.float64)
+    seq_losses = np.sum(loss_mat * loss_mask, axis=-1)
+    seq_mask = (np.sum(loss_mask, axis=-1) > 0).astype(np.float64)
+    if global_batch_size is None:
+        global_batch_size = seq_mask.sum()
+    loss = np.sum(seq_losses * seq_mask) / global_batch_size * dp_size
+    if loss_scale_factor is None:
+        loss_scale_factor = loss_mask.shape[-1]
+    return loss / loss_scale_factor
 
 
 def np_ppo(logp, old, adv, eps_low, eps_high, dual=None):
@@ -73,6 +89,36 @@ def test_seq_mean_token_sum_norm_custom_constant():
     np.testing.assert_allclose(total / denom,
                                np_agg(np_ppo(logp, old, adv, .2, .2), mask,
                                       "seq_mean_token_sum_norm", 512.0), rtol=1e-5)
+
+
+@pytest.mark.parametrize("norm", [None, 512.0])
+def test_seq_mean_token_sum_norm_matches_verl(norm):
+    rng = np.random.default_rng(7)
+    loss = rng.normal(0, 1.0, (6, 11)).astype(np.float32)
+    mask = (rng.random((6, 11)) < 0.5).astype(np.float32)
+    mask[0, :2] = 1.0
+    mask[3] = 0.0  # an all-zero row: not counted by either
+    total, denom = losses.aggregate(loss, mask, "seq_mean_token_sum_norm", norm=norm)
+    np.testing.assert_allclose(float(denom), 5 * (11 if norm is None else norm), rtol=0)
+    np.testing.assert_allclose(total / denom, np_verl_sum_norm(loss, mask, norm), rtol=1e-6)
+    # verl over 2 data-parallel ranks with the global row count, after FSDP's gradient mean
+    halves = [np_verl_sum_norm(loss[s], mask[s], norm, dp_size=2, global_batch_size=5)
+              for s in (slice(0, 3), slice(3, 6))]
+    np.testing.assert_allclose(total / denom, np.mean(halves), rtol=1e-6)
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_microbatch_split_equals_whole(agg):
+    rng = np.random.default_rng(8)
+    loss = rng.normal(0, 1.0, (8, 7)).astype(np.float32)
+    mask = (rng.random((8, 7)) < 0.6).astype(np.float32)
+    mask[1] = 0.0
+    mask[6] = 0.0
+    whole = losses.agg_sum(loss, mask, agg) / losses.agg_denominator(mask, agg, norm=64.0)
+    parts = sum(losses.agg_sum(loss[i:i + 3], mask[i:i + 3], agg) for i in (0, 3, 6))
+    np.testing.assert_allclose(parts / losses.agg_denominator(mask, agg, norm=64.0), whole,
+                               rtol=1e-6)
+    np.testing.assert_allclose(whole, np_agg(loss, mask, agg, 64.0), rtol=1e-5)
 
 
 def test_gradient_of_policy_loss():
@@ -137,5 +183,8 @@ def test_bad_input():
         policy_loss(logp, old, adv, mask, eps_low=.2, eps_high=.2, dual_clip=0.5)
     with pytest.raises(ValueError, match="agg"):
         policy_loss(logp, old, adv, mask, eps_low=.2, eps_high=.2, agg="mean")
+    with pytest.raises(ValueError, match="norm"):
+        policy_loss(logp, old, adv, mask, eps_low=.2, eps_high=.2, agg="seq_mean_token_sum_norm",
+                    norm=0.0)
     with pytest.raises(ValueError, match="KL estimator"):
         losses.kl_loss(logp, old, mask, estimator="k4")

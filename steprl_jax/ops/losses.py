@@ -10,10 +10,12 @@ Aggregation modes (verl's `agg_loss` names with `_` instead of `-`), loss_bt mas
   token_mean               sum_bt l*m / sum_bt m                       (DAPO, PORTool)
   seq_mean_token_mean      sum_b (sum_t l*m / sum_t m) / n_rows         (GRPO)
   seq_mean_token_sum       sum_bt l*m / n_rows
-  seq_mean_token_sum_norm  sum_bt l*m / norm, norm = `norm` or the padded length T (Dr. GRPO)
+  seq_mean_token_sum_norm  sum_bt l*m / (n_rows * H), H = `norm` or padded length T  (Dr. GRPO)
 
 `n_rows` counts the rows that select at least one token, so all-padding rows (needed for fixed
-shapes) change nothing; verl counts every row. A zero denominator gives a zero loss, not NaN
+shapes) change nothing; verl's engine divides by its global batch size, which counts every row.
+seq_mean_token_sum_norm follows verl >= 0.7.1 (same in 0.9): row sums / rows / H; verl <= 0.7.0
+divided by H only, a scale that grew with the batch. A zero denominator gives a zero loss, not NaN
 (see `safe_divide`).
 
 Sign convention: every `*_loss` returns a quantity to MINIMISE.
@@ -51,9 +53,19 @@ def agg_denominator(mask_bt: jax.Array, agg: str, *, norm: Optional[float] = Non
     m = mask_bt.astype(jnp.float32)
     if agg == "token_mean":
         return jnp.sum(m)
+    n_rows = jnp.sum((jnp.sum(m, axis=-1) > 0).astype(jnp.float32))
     if agg == "seq_mean_token_sum_norm":
-        return jnp.asarray(mask_bt.shape[-1] if norm is None else norm, jnp.float32)
-    return jnp.sum((jnp.sum(m, axis=-1) > 0).astype(jnp.float32))
+        return n_rows * _horizon(mask_bt, norm)
+    return n_rows
+
+
+def _horizon(mask_bt: jax.Array, norm: Optional[float]) -> jax.Array:
+    """The per-row constant H of seq_mean_token_sum_norm: `norm`, or the padded length T."""
+    if norm is None:
+        return jnp.float32(mask_bt.shape[-1])
+    if not norm > 0:
+        raise ValueError(f"norm (the seq_mean_token_sum_norm horizon) must be > 0, got {norm}")
+    return jnp.float32(norm)
 
 
 def agg_sum(loss_bt: jax.Array, mask_bt: jax.Array, agg: str) -> jax.Array:
