@@ -152,14 +152,23 @@ class ToolCallEnv:
     def __init__(self, registry: Optional[ToolRegistry] = None, *,
                  registry_factory: Optional[Callable[[Task], ToolRegistry]] = None,
                  system_prompt: str = TOOL_CALL_SYSTEM_PROMPT, invalid_action: str = "error_observation",
-                 examples: Sequence[Sequence[dict]] = ()):
+                 examples: Sequence[Sequence[dict]] = (), tool_rendering: str = "json"):
         """`registry` serves every task; `registry_factory(task)` instead builds one per task
         (the tool world's tools depend on the episode's "now" and location). `examples`: worked
-        demonstrations as chat messages (user, assistant, tool, ...) shown before the question."""
+        demonstrations as chat messages (user, assistant, tool, ...) shown before the question.
+        `tool_rendering`: "json" gives the schemas to the chat template (`tool_schemas`; a
+        template that ignores them gets them as JSON in the system message, `chat.apply_chat`);
+        "compact" lists the tools one line each in the system message itself
+        (`chat.render_tools(..., "compact")`) and gives the template none."""
+        from steprl_jax.models.chat import TOOL_RENDERINGS
+
         if invalid_action not in ("error_observation", "end"):
             raise ValueError(f"invalid_action must be 'error_observation' or 'end', got {invalid_action!r}")
         if (registry is None) == (registry_factory is None):
             raise ValueError("give exactly one of registry and registry_factory")
+        if tool_rendering not in TOOL_RENDERINGS:
+            raise ValueError(f"tool_rendering must be one of {TOOL_RENDERINGS}, got {tool_rendering!r}")
+        self.tool_rendering = tool_rendering
         self.registry = registry
         self.registry_factory = registry_factory
         self.system_prompt = system_prompt
@@ -188,9 +197,17 @@ class ToolCallEnv:
         context = task.metadata.get("context")
         user = task.question if not context else f"{context}\n\n{task.question}"
         shown = [dict(m) for example in self.examples for m in example]
-        return [{"role": "system", "content": self.system_prompt}, *shown, {"role": "user", "content": user}]
+        system = self.system_prompt
+        if self.tool_rendering == "compact":
+            from steprl_jax.models.chat import render_tools
+
+            system = f"{system}\n\n{render_tools(self.registry_for(task).openai_schemas(), 'compact')}"
+        return [{"role": "system", "content": system}, *shown, {"role": "user", "content": user}]
 
     def tool_schemas(self, task: Task) -> Optional[list[dict]]:
+        """The schemas for the chat template; None when the system message lists the tools ("compact")."""
+        if self.tool_rendering == "compact":
+            return None
         return self.registry_for(task).openai_schemas()
 
     def parse(self, action_text: str):

@@ -138,8 +138,10 @@ def _toolworld_suite(config) -> TaskSuite:
     def registry_for(task: Task) -> ToolRegistry:
         return make_registry(world, by_id[task.id].context, failure_rate=failure_rate, salt=task.id)
 
+    # tool_rendering: "json" (the schemas, as the chat template takes them) | "compact" (one line a tool).
     env = ToolCallEnv(registry_factory=registry_for, invalid_action=config.env.invalid_action,
-                      examples=_toolworld_examples(world, splits["train"], int(config.env.few_shot)))
+                      examples=_toolworld_examples(world, splits["train"], int(config.env.few_shot)),
+                      tool_rendering=str(config.env.get("tool_rendering", "json")))
 
     def outcome(task: Task, traj) -> str:
         return rules.toolworld_outcome(traj.final_answer, task.reference, tool_failed(traj))

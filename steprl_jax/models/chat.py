@@ -20,6 +20,11 @@ Tool definitions are OpenAI function schemas:
 `{"type": "function", "function": {"name", "description", "parameters": <JSON schema>}}`.
 Calls are expected back as `<tool_call>[{"name": ..., "arguments": {...}}, ...]</tool_call>`
 (a JSON list, the format of steprl_jax.agents.formats).
+
+`render_tools(tools, rendering)` writes the system-prompt listing in one of two renderings:
+"json" (one JSON schema a line, what the template path above uses) or "compact" (one line a
+tool, `name(arg: type, optional_arg?: type) - description`: for the tool world's 23 tools,
+1,284 SmolLM2 tokens against 3,251, for small contexts and small models).
 """
 from __future__ import annotations
 
@@ -70,9 +75,59 @@ def generic_template(tokenizer) -> str:
     return _PLAIN
 
 
-def render_tools(tools: Sequence[dict]) -> str:
-    """The system-prompt text that lists `tools` (used where the template cannot)."""
-    return TOOLS_PREAMBLE.format(tools="\n".join(json.dumps(t, sort_keys=True) for t in tools))
+COMPACT_TOOLS_PREAMBLE = (
+    "You can call these tools, one per line as name(argument: type, optional_argument?: type) - what it does:\n"
+    "<tools>\n{tools}\n</tools>\n"
+    "To call tools, write a JSON list of calls within <tool_call></tool_call> tags, exactly like this "
+    "(independent calls go in the same list):\n"
+    "<tool_call>[{{\"name\": ..., \"arguments\": {{...}}}}]</tool_call>\n"
+    "Each call has exactly the keys \"name\" (a tool above) and \"arguments\" (an object of its arguments)."
+)
+TOOL_RENDERINGS = ("json", "compact")
+
+
+def render_tools(tools: Sequence[dict], rendering: str = "json") -> str:
+    """The system-prompt text that lists `tools` (used where the template cannot, or for "compact")."""
+    if rendering == "json":
+        return TOOLS_PREAMBLE.format(tools="\n".join(json.dumps(t, sort_keys=True) for t in tools))
+    if rendering == "compact":
+        return COMPACT_TOOLS_PREAMBLE.format(tools="\n".join(compact_tool_line(t) for t in tools))
+    raise ValueError(f"tool rendering must be one of {TOOL_RENDERINGS}, got {rendering!r}")
+
+
+def compact_tool_line(tool: dict) -> str:
+    """`name(arg: type, optional_arg?: type) - description` for one OpenAI function schema.
+
+    Required arguments first, in schema order; enums are listed as their JSON values joined by
+    `|`; an argument's description follows its type in parentheses. Other JSON-schema keywords
+    (lengths, patterns, bounds, additionalProperties) are left out: the registry still
+    validates them and says what was wrong."""
+    function = tool.get("function", tool)
+    parameters = function.get("parameters") or {}
+    properties = parameters.get("properties") or {}
+    required = [n for n in parameters.get("required", []) if n in properties]
+    optional = [n for n in properties if n not in required]
+    args = [_compact_argument(n, properties[n], n not in required) for n in required + optional]
+    line = f"{function['name']}({', '.join(args)})"
+    description = (function.get("description") or "").strip()
+    return f"{line} - {description}" if description else line
+
+
+def _compact_argument(name: str, schema: dict, optional: bool) -> str:
+    text = f"{name}{'?' if optional else ''}: {_compact_type(schema)}"
+    description = (schema.get("description") or "").strip()
+    return f"{text} ({description})" if description else text
+
+
+def _compact_type(schema: dict) -> str:
+    if "enum" in schema:
+        return "|".join(json.dumps(v, ensure_ascii=False) for v in schema["enum"])
+    kind = schema.get("type", "any")
+    if isinstance(kind, list):
+        return "|".join(kind)
+    if kind == "array" and isinstance(schema.get("items"), dict):
+        return f"array of {_compact_type(schema['items'])}"
+    return kind
 
 
 def template_supports_tools(tokenizer) -> bool:
