@@ -156,9 +156,8 @@ def test_interrupted_run_resumes_to_the_same_records(smol, tmp_path):
     assert (tmp_path / "parts" / "summary.png").stat().st_size > 1000
 
 
-def test_sampled_rollouts_with_a_tiny_random_model_rescore_exactly():
-    """Temperature sampling on a tiny random model: invalid actions become error observations,
-    episodes hit the step cap, and every recorded log-prob is the model's (at that temperature)."""
+def _tiny_random_model():
+    """(model, tokenizer, sampler): a tiny random llama with the SmolLM2 tokenizer."""
     from flax import nnx
 
     from steprl_jax.models import ModelConfig, Transformer
@@ -170,7 +169,13 @@ def test_sampled_rollouts_with_a_tiny_random_model_rescore_exactly():
     config = ModelConfig.tiny("llama", vocab_size=len(tokenizer), max_position_embeddings=2048,
                               eos_token_ids=(tokenizer.convert_tokens_to_ids("<|im_end|>"),))
     model = Transformer(config, rngs=nnx.Rngs(7))
-    sampler = Sampler(model, tokenizer, max_context=2048)
+    return model, tokenizer, Sampler(model, tokenizer, max_context=2048)
+
+
+def test_sampled_rollouts_with_a_tiny_random_model_rescore_exactly():
+    """Temperature sampling on a tiny random model: invalid actions become error observations,
+    episodes hit the step cap, and every recorded log-prob is the model's (at that temperature)."""
+    model, tokenizer, sampler = _tiny_random_model()
     rollout = RolloutConfig(max_steps=3, max_new_tokens=12, max_context=2048, temperature=0.8, batch_size=3)
     engine = RolloutEngine(sampler, tokenizer, _env(), rollout, seed=1)
     trajectories = list(engine.run([(f"e{i}", t) for i, t in enumerate(_tasks(3))]))
@@ -185,3 +190,27 @@ def test_sampled_rollouts_with_a_tiny_random_model_rescore_exactly():
             np.testing.assert_allclose(logp[position - 1:position - 1 + len(step.action_ids)],
                                        step.action_logprobs, atol=1e-4)
             position += len(step.action_ids) + len(step.observation_ids)
+
+
+@pytest.mark.parametrize("schedule", ["static", "resample"])
+def test_two_trees_of_the_same_query_in_one_batch_stay_apart(schedule):
+    """An online loop samples queries with replacement: the same task twice in one batch makes two
+    trees, each with its own n leaves and its own nodes."""
+    _, tokenizer, sampler = _tiny_random_model()
+    rollout = RolloutConfig(max_steps=3, max_new_tokens=6, max_context=2048, temperature=1.0, batch_size=8)
+    engine = RolloutEngine(sampler, tokenizer, _env(), rollout, seed=1)
+    task = _tasks(1)[0]
+    trees = list(engine.run_trees([("a", task), ("b", task)], n=4, f=2, schedule=schedule, fork_depths=(1, 2),
+                                  seed=0))
+    assert [t.id for t in trees] == ["a", "b"] and {t.query_id for t in trees} == {task.id}
+    for tree in trees:
+        leaves = tree.leaves()
+        assert len(leaves) == 4, (tree.id, len(leaves))
+        assert set(tree.leaf_terminations) == {str(leaf) for leaf in leaves}
+        assert all(tree.nodes[leaf].depth == len(tree.path(leaf)) == 3 for leaf in leaves)  # step cap
+        for i, node in enumerate(tree.nodes):
+            assert node.parent < i and node.depth == (1 if node.parent < 0 else tree.nodes[node.parent].depth + 1)
+    if schedule == "static":  # forks at depths 1 and 2: 2 + 4 + 4 steps
+        assert [len(t.nodes) for t in trees] == [10, 10]
+    # No step is recorded in both trees.
+    assert not {id(n.step) for n in trees[0].nodes} & {id(n.step) for n in trees[1].nodes}

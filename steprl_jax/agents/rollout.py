@@ -74,6 +74,7 @@ class _Branch:
     steps: list  # list[Step] on this branch's path
     node_ids: list  # tree node index of each step (trees only)
     length: int  # tokens in the row's context (prompt + steps)
+    tree: int = 0  # index of the branch's tree in its batch (trees only; a query may appear twice)
     done: bool = False
     termination: str = ""
     final_answer: Optional[str] = None
@@ -286,48 +287,42 @@ class RolloutEngine:
         records = [TreeRecord(tree_id, task.id, task.question, text, ids, reference_answer=task.reference,
                               metadata=dict(task.metadata))
                    for (tree_id, task), (text, ids) in zip(trees, prompts)]
-        record_of = {record.query_id: record for record in records}
-        branches = [_Branch(task, i, [], [], len(ids)) for i, ((_, task), (_, ids)) in enumerate(zip(trees, prompts))]
+        branches = [_Branch(task, i, [], [], len(ids), tree=i)
+                    for i, ((_, task), (_, ids)) in enumerate(zip(trees, prompts))]
         finished: list[_Branch] = []
         depth = 0
         while branches:
             depth += 1
             # Which branch rows to continue from, and how many copies of each.
             if schedule == "static" or depth == 1:
-                copies = self._tree_copies(branches, finished, trees, n, f, depth, fork_depths, schedule)
+                copies = self._tree_copies(branches, finished, len(trees), n, f, depth, fork_depths, schedule)
             else:  # resample: every open branch proposes f candidates
                 copies = {id(b): f for b in branches}
             state = self._fork(state, [b.row for b in branches for _ in range(copies[id(b)])])
             candidates = []
             for b in branches:
                 for _ in range(copies[id(b)]):
-                    candidates.append(_Branch(b.task, len(candidates), list(b.steps), list(b.node_ids), b.length))
+                    candidates.append(_Branch(b.task, len(candidates), list(b.steps), list(b.node_ids), b.length,
+                                              tree=b.tree))
             state = self._generate_and_act(state, candidates)
             concurrent.futures.wait([c.future for c in candidates])  # trees advance in lock step
             if schedule == "resample" and depth > 1:
-                candidates, state = self._resample(state, candidates, trees, finished, n, rng)
+                candidates, state = self._resample(state, candidates, len(trees), finished, n, rng)
             state = self._append_observations(state, candidates, candidates)
-            for cand in candidates:
-                record = record_of[cand.task.id]
-                parent_node = cand.node_ids[-1] if cand.node_ids else -1
-                record.nodes.append(TreeNode(parent=parent_node, step=cand.steps[-1], depth=len(cand.steps)))
-                cand.node_ids.append(len(record.nodes) - 1)
-                if cand.done:  # settled by `_act` or by an observation that did not fit: a leaf
-                    record.leaf_terminations[str(cand.node_ids[-1])] = cand.termination
-                    record.leaf_answers[str(cand.node_ids[-1])] = cand.final_answer
+            _add_nodes(records, candidates)
             finished += [c for c in candidates if c.done]
             branches = [c for c in candidates if not c.done]
         for (_, task) in trees:
             self.env.release(task)
         return [_prune_dead_ends(r) for r in records]
 
-    def _tree_copies(self, branches, finished, trees, n, f, depth, fork_depths, schedule) -> dict:
+    def _tree_copies(self, branches, finished, num_trees, n, f, depth, fork_depths, schedule) -> dict:
         """Static: fork every open branch f ways at the configured depths while the tree stays within n
         leaves. Resample, first step: n copies of the prompt."""
         copies = {}
-        for _, task in trees:
-            mine = [b for b in branches if b.task.id == task.id]
-            done = sum(1 for b in finished if b.task.id == task.id)
+        for tree in range(num_trees):
+            mine = [b for b in branches if b.tree == tree]
+            done = sum(1 for b in finished if b.tree == tree)
             if schedule == "resample":
                 factor = n
             else:
@@ -336,12 +331,12 @@ class RolloutEngine:
                 copies[id(b)] = factor
         return copies
 
-    def _resample(self, state, candidates, trees, finished, n, rng):
+    def _resample(self, state, candidates, num_trees, finished, n, rng):
         """Keep exactly n - n_finished of each tree's candidates, at random; drop the rest."""
         keep = []
-        for _, task in trees:
-            mine = [i for i, c in enumerate(candidates) if c.task.id == task.id]
-            budget = n - sum(1 for b in finished if b.task.id == task.id)
+        for tree in range(num_trees):
+            mine = [i for i, c in enumerate(candidates) if c.tree == tree]
+            budget = n - sum(1 for b in finished if b.tree == tree)
             keep += sorted(rng.sample(mine, min(budget, len(mine))))
         keep.sort()
         state = self._fork(state, [candidates[i].row for i in keep])
@@ -357,6 +352,19 @@ class RolloutEngine:
             return state
         self.stats.forks += 1
         return self.sampler.fork(state, rows)
+
+
+def _add_nodes(records: list[TreeRecord], branches: list[_Branch]) -> None:
+    """Each branch's newest step becomes a node of its tree (a child of its previous step); a branch
+    that is done (settled by `_act`, or by an observation that did not fit) ends at a leaf."""
+    for branch in branches:
+        record = records[branch.tree]
+        parent_node = branch.node_ids[-1] if branch.node_ids else -1
+        record.nodes.append(TreeNode(parent=parent_node, step=branch.steps[-1], depth=len(branch.steps)))
+        branch.node_ids.append(len(record.nodes) - 1)
+        if branch.done:
+            record.leaf_terminations[str(branch.node_ids[-1])] = branch.termination
+            record.leaf_answers[str(branch.node_ids[-1])] = branch.final_answer
 
 
 def _prune_dead_ends(record: TreeRecord) -> TreeRecord:
