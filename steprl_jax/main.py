@@ -6,6 +6,8 @@
                trajectories.jsonl (token-exact, resumable), metrics.json, summary.png
     swirl      SWiRL end to end (algorithms/swirl.py): collect, judge, filter, offline step-wise RL,
                SFT baseline, held-out evaluation (config.stages picks stages)
+    rl         online RL (algorithms/online.py), config.algorithm: portool | grpo | grpo_fm | dapo |
+               arpo | arpo_fm; SFT warm start, held-out evaluation every rl.eval_every iterations
 """
 from __future__ import annotations
 
@@ -32,7 +34,13 @@ def _swirl(config) -> dict:
     return swirl.run(config)
 
 
-JOBS = {"evaluate": _evaluate, "swirl": _swirl}
+def _rl(config) -> dict:
+    from steprl_jax.algorithms import online
+
+    return online.run(config)
+
+
+JOBS = {"evaluate": _evaluate, "swirl": _swirl, "rl": _rl}
 
 
 def run(config) -> dict:

@@ -124,6 +124,41 @@ class TreeRecord:
             leaf = self.nodes[leaf].parent
         return out[::-1]
 
+    def restrict(self, leaves) -> "TreeRecord":
+        """The tree of the steps on the paths to `leaves` only (node indices renumbered, leaf
+        dicts remapped); e.g. the judged leaves of a partly judged tree."""
+        keep = sorted({i for leaf in leaves for i in self.path(int(leaf))})
+        if len(keep) == len(self.nodes):
+            return self
+        new_index = {old: new for new, old in enumerate(keep)}
+        nodes = [TreeNode(parent=new_index.get(self.nodes[old].parent, -1), step=self.nodes[old].step,
+                          depth=self.nodes[old].depth) for old in keep]
+        remap = lambda d: {str(new_index[int(k)]): v for k, v in d.items() if int(k) in new_index}
+        metadata = dict(self.metadata)
+        if "leaf_verdicts" in metadata:
+            metadata["leaf_verdicts"] = remap(metadata["leaf_verdicts"])
+        return dataclasses.replace(self, nodes=nodes, leaf_terminations=remap(self.leaf_terminations),
+                                   leaf_answers=remap(self.leaf_answers), leaf_outcomes=remap(self.leaf_outcomes),
+                                   metadata=metadata)
+
+    @classmethod
+    def from_group(cls, tree_id: str, trajectories: list) -> "TreeRecord":
+        """Independent trajectories of one query as a tree whose branches meet only at the prompt
+        (GRPO-style groups share the tree code: judging, batch building, records)."""
+        first = trajectories[0]
+        record = cls(tree_id, first.query_id, first.question, first.prompt_text, first.prompt_ids,
+                     reference_answer=first.reference_answer, metadata=dict(first.metadata))
+        for t in trajectories:
+            parent = -1
+            for depth, step in enumerate(t.steps, start=1):
+                record.nodes.append(TreeNode(parent=parent, step=step, depth=depth))
+                parent = len(record.nodes) - 1
+            if parent < 0:
+                raise ValueError(f"trajectory {t.id} has no step")
+            record.leaf_terminations[str(parent)] = t.termination
+            record.leaf_answers[str(parent)] = t.final_answer
+        return record
+
     def trajectory(self, leaf: int) -> Trajectory:
         """The leaf's root-to-leaf path as a Trajectory (shares the same token ids)."""
         return Trajectory(

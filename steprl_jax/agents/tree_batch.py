@@ -1,32 +1,78 @@
-"""A rollout tree record -> packed trajectory rows + the arrays `tree_advantages` takes.
+"""Judged rollout trees -> the arrays `tree_advantages` takes, and packed training rows.
 
-Each leaf's root-to-leaf path becomes one row: prompt ids, then each step's action ids and
-observation ids, exactly as sampled and appended. A step shared by several trajectories
-has one span per row that contains it; its advantage is computed once per node and
-scattered onto all of those spans (observation tokens get none).
+Every on-policy algorithm's rollouts are trees (agents/records.TreeRecord): a PORTool tree, an
+ARPO tree, or a group of independent trajectories (`TreeRecord.from_group`, branches that meet at
+the prompt). A trajectory is a leaf's root-to-leaf path; only judged leaves (an outcome that is
+not None) train, so a tree whose judge failed for some leaves trains on the others.
+
+Rows (`training/pack.py`): the prompt once as the shared prefix, each leaf's path as a branch:
+its actions are loss spans carrying their step's advantage and recorded log-probs, its
+observations (tool responses, chat-template glue) are context without loss. The token weight of
+a span implements the aggregation over the query's tokens:
+
+    token_mean           weight 1: every generated token of the batch counts the same (DAPO)
+    seq_mean_token_mean  1 / (loss tokens of the trajectory): a mean per trajectory (GRPO)
+    query_token_mean     1 / (loss tokens of the query's trajectories): PORTool's per-query mean
+
+and the train step divides the weighted sum by the sum of the weights (its `token_mean` kernel),
+which is exact over any micro-batch split since the denominator is the whole batch's. A step
+shared by several trajectories is trained once per trajectory through it (`per_trajectory`, the
+paper's sum over trajectories) or only in the first one (`once`).
 """
 from __future__ import annotations
 
+from typing import Callable, Optional
+
+import numpy as np
+
 from steprl_jax.agents.formats import passed_fraction
-from steprl_jax.agents.records import TreeRecord
+from steprl_jax.agents.records import Step, TreeRecord
 from steprl_jax.ops.tree_arrays import ArrayTreeNode, RolloutTree
+from steprl_jax.training.pack import Row, Span
+
+LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "query_token_mean")
+WEIGHTINGS = ("per_trajectory", "once")
+
+
+def fm_score(step: Step) -> float:
+    """2 * passed_fraction - 1 of the step's formatting checks (0 without checks): R_fm before the cap."""
+    return (2 * passed_fraction(step.format_checks) - 1) if step.format_checks else 0.0
+
+
+def judged_leaves(record: TreeRecord) -> list[int]:
+    return [leaf for leaf in record.leaves() if record.leaf_outcomes.get(str(leaf)) is not None]
+
+
+def judged_tree(record: TreeRecord) -> Optional[TreeRecord]:
+    """`record` restricted to its judged leaves (None when no leaf was judged)."""
+    leaves = judged_leaves(record)
+    return record.restrict(leaves) if leaves else None
+
+
+def tree_arrays(record: TreeRecord) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(parent_n, leaf_outcome_n, fm_reward_n) of a fully judged tree, for `tree_advantages`."""
+    parent = np.asarray([n.parent for n in record.nodes], np.int32)
+    outcome = np.zeros(len(record.nodes), np.float32)
+    for leaf in record.leaves():
+        value = record.leaf_outcomes.get(str(leaf))
+        if value is None:
+            raise ValueError(f"tree {record.id}: leaf {leaf} has no outcome (use judged_tree first)")
+        outcome[leaf] = float(value)
+    fm = np.asarray([fm_score(n.step) for n in record.nodes], np.float32)
+    return parent, outcome, fm
 
 
 def tree_rows(record: TreeRecord, first_row: int = 0) -> tuple[RolloutTree, list[list[int]]]:
-    """(RolloutTree with spans into the rows, token ids of each row); rows start at `first_row`.
-
-    Leaf outcomes come from `record.leaf_outcomes` (a missing verdict is an error: judge first);
-    `fm_reward` is 2 * passed_fraction - 1 of the step's formatting checks (0 without checks).
-    """
-    nodes = [ArrayTreeNode(parent=n.parent,
-                           fm_reward=(2 * passed_fraction(n.step.format_checks) - 1) if n.step.format_checks else 0.0)
-             for n in record.nodes]
+    """(RolloutTree with spans into the rows, token ids of each row) of the judged leaves, one row
+    per leaf starting at `first_row` (the unpacked reference layout)."""
+    record = judged_tree(record)
+    if record is None:
+        raise ValueError("tree has no judged leaf")
+    parent, outcome, fm = tree_arrays(record)
+    nodes = [ArrayTreeNode(parent=int(p), fm_reward=float(f)) for p, f in zip(parent, fm)]
     rows = []
     for r, leaf in enumerate(record.leaves()):
-        key = str(leaf)
-        if key not in record.leaf_outcomes or record.leaf_outcomes[key] is None:
-            raise ValueError(f"tree {record.id}: leaf {leaf} has no outcome (judge the tree first)")
-        nodes[leaf].leaf_outcome = float(record.leaf_outcomes[key])
+        nodes[leaf].leaf_outcome = float(outcome[leaf])
         ids = list(record.prompt_ids)
         for index in record.path(leaf):
             step = record.nodes[index].step
@@ -34,3 +80,52 @@ def tree_rows(record: TreeRecord, first_row: int = 0) -> tuple[RolloutTree, list
             ids += step.action_ids + step.observation_ids
         rows.append(ids)
     return RolloutTree(nodes=nodes), rows
+
+
+def leaf_rows(record: TreeRecord, advantage: Callable[[int, int], float], *, agg: str = "query_token_mean",
+              weighting: str = "per_trajectory", max_row_tokens: Optional[int] = None) -> list[Row]:
+    """Packed rows of a judged tree: `advantage(leaf, node)` is the advantage of every token of
+    step `node` on the path to `leaf` (PORTool: the node's; GRPO: the leaf's). Branches are
+    grouped into rows of at most `max_row_tokens` tokens, each row repeating the prompt."""
+    if agg not in LOSS_AGGS:
+        raise ValueError(f"loss aggregation {agg!r} is not one of {LOSS_AGGS}")
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"token weighting {weighting!r} is not one of {WEIGHTINGS}")
+    claimed: set = set()
+    branches = []  # per leaf: list of (span kwargs) before weights are known
+    for leaf in record.leaves():
+        path = record.path(leaf)
+        spans = []
+        for i, node in enumerate(path):
+            step = record.nodes[node].step
+            trained = weighting == "per_trajectory" or node not in claimed
+            claimed.add(node)
+            if step.action_ids:
+                spans.append(dict(ids=list(step.action_ids), loss=trained, logprobs=list(step.action_logprobs),
+                                  advantage=float(advantage(leaf, node)) if trained else 0.0))
+            if i + 1 < len(path) and step.observation_ids:  # the last observation feeds no trained token
+                spans.append(dict(ids=list(step.observation_ids)))
+        branches.append(spans)
+    count = lambda spans: sum(len(s["ids"]) for s in spans if s.get("loss"))
+    query_tokens = sum(count(b) for b in branches)
+    out = []
+    for spans in branches:
+        weight = {"token_mean": 1.0, "seq_mean_token_mean": 1.0 / max(1, count(spans)),
+                  "query_token_mean": 1.0 / max(1, query_tokens)}[agg]
+        out.append([Span(**s, weight=weight) if s.get("loss") else Span(s["ids"]) for s in spans])
+    return _rows(record.prompt_ids, [b for b in out if b], max_row_tokens)
+
+
+def _rows(prompt_ids, branches, max_row_tokens) -> list[Row]:
+    prompt = [Span(list(prompt_ids))]
+    rows, current, length = [], [], len(prompt_ids)
+    for branch in branches:
+        size = 1 + sum(len(s.ids) for s in branch)
+        if current and max_row_tokens is not None and length + size > max_row_tokens:
+            rows.append(Row(prompt, current))
+            current, length = [], len(prompt_ids)
+        current.append(branch)
+        length += size
+    if current:
+        rows.append(Row(prompt, current))
+    return rows

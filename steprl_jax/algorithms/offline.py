@@ -52,18 +52,23 @@ class OfflineSpec:
     needs_policy: bool = False  # build samples from the current parameters (a copy: the step donates them)
 
 
-def batch_items(items: Sequence[Any], batch_size: int, update: int, seed: int) -> list:
-    """The items of `update`: consecutive slices of a per-epoch permutation (a fixed function of
-    seed and update, so a resumed run sees the same batches)."""
+def items_at(items: Sequence[Any], start: int, count: int, seed: int) -> list:
+    """Items `start .. start + count - 1` of the stream of per-epoch permutations of `items` (a
+    fixed function of the seed, so a resumed run sees the same items)."""
     n = len(items)
     orders: dict = {}
     out = []
-    for k in range(update * batch_size, (update + 1) * batch_size):
+    for k in range(start, start + count):
         epoch, pos = divmod(k, n)
         if epoch not in orders:
             orders[epoch] = np.random.default_rng([seed, epoch]).permutation(n)
         out.append(items[int(orders[epoch][pos])])
     return out
+
+
+def batch_items(items: Sequence[Any], batch_size: int, update: int, seed: int) -> list:
+    """The items of `update`: consecutive slices of the per-epoch permutations."""
+    return items_at(items, update * batch_size, batch_size, seed)
 
 
 def update_key(seed: int, update: int):
@@ -131,24 +136,32 @@ def train_offline(spec: OfflineSpec, model, *, workdir: str, seed: int, ref_para
 
 
 def _train_update(spec: OfflineSpec, step_fn, logprob_fn, ref_params, state, rows, metrics: dict, t0: float):
-    """Pack the update's rows and run ppo_epochs x minibatches train steps; fills `metrics`."""
-    batch = pack(rows, num_microbatches=spec.num_microbatches * spec.minibatches, min_rows=spec.min_rows,
-                 max_length=spec.max_length)
+    state, train_metrics = train_on_rows(step_fn, state, rows, ppo_epochs=spec.ppo_epochs, minibatches=spec.minibatches,
+                                         num_microbatches=spec.num_microbatches, min_rows=spec.min_rows,
+                                         max_length=spec.max_length, logprob_fn=logprob_fn, ref_params=ref_params)
+    metrics.update(train_metrics, update_s=time.perf_counter() - t0)
+    return state
+
+
+def train_on_rows(step_fn, state, rows, *, ppo_epochs: int = 1, minibatches: int = 1, num_microbatches: int = 1,
+                  min_rows: int = 0, max_length: Optional[int] = None, logprob_fn=None, ref_params=None):
+    """Pack `rows` and run ppo_epochs x minibatches train steps; returns (state, metrics). The
+    loop every algorithm shares (offline and online)."""
+    batch = pack(rows, num_microbatches=num_microbatches * minibatches, min_rows=min_rows, max_length=max_length)
     if logprob_fn is not None:
         batch = batch.replace(ref_logp=logprob_fn(ref_params, state.rest, batch.tokens, batch.attention_mask,
                                                   batch.loss_mask, batch.positions, batch.branch_ids))
     t1 = time.perf_counter()
     step_metrics = []
-    for _ in range(spec.ppo_epochs):
-        for part in _split_rows(batch, spec.minibatches):
+    for _ in range(ppo_epochs):
+        for part in _split_rows(batch, minibatches):
             state, m = step_fn(state, part)
             step_metrics.append(m)
     step_metrics = jax.device_get(step_metrics)
-    metrics.update(_first_and_mean(step_metrics))
-    metrics.update(train_s=time.perf_counter() - t1, update_s=time.perf_counter() - t0,
-                   rows=len(rows), tokens=float(np.sum(batch.attention_mask)),
-                   trained_tokens=float(np.sum(batch.loss_mask)), padded_tokens=float(batch.tokens.size))
-    return state
+    metrics = _first_and_mean(step_metrics)
+    metrics.update(train_s=time.perf_counter() - t1, rows=len(rows), tokens=float(np.sum(batch.attention_mask)),
+                   trained_tokens=float(np.sum(batch.loss_mask > 0)), padded_tokens=float(batch.tokens.size))
+    return state, metrics
 
 
 def _first_and_mean(step_metrics: list[dict]) -> dict:

@@ -35,6 +35,7 @@ from steprl_jax.agents.records import RecordStore, Trajectory
 from steprl_jax.agents.tasks import build_suite
 from steprl_jax.algorithms import sft as sft_lib
 from steprl_jax.algorithms.offline import OfflineSpec, export_policy, train_offline, update_key
+from steprl_jax.algorithms.rl import policy_temperature
 from steprl_jax.algorithms.workdir import check_manifest, clear_stage, mark_stage, stage_done
 from steprl_jax.data.units import Unit, read_units, write_units
 from steprl_jax.evaluation.metrics import write_json_atomic
@@ -50,13 +51,6 @@ ADVANTAGES = ("rloo", "zscore")
 
 
 # ----------------------------------------------------------------------------- config helpers
-def policy_temperature(config) -> float:
-    """The one temperature field: the rollout samples at it and the loss uses it (greedy decoding,
-    temperature 0, records log-probs at 1)."""
-    t = float(config.rollout.temperature)
-    return t if t > 0 else 1.0
-
-
 def _stages(config) -> list[str]:
     names = [s.strip() for s in str(config.stages).split(",") if s.strip()]
     unknown = [s for s in names if s not in STAGES]

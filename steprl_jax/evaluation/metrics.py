@@ -36,31 +36,43 @@ def trajectory_metrics(trajectories: Sequence[Trajectory]) -> dict:
 
 
 # Per-episode (numerator, denominator) of the metrics reported with confidence intervals.
-def _episode_terms(t: Trajectory) -> dict:
+def episode_terms(t: Trajectory) -> dict:
+    """accuracy (outcome 'true'), process_correctness (GOOD share of judged steps), mean_actions,
+    and PORTool's metrics: tool_steps (steps that parsed to at least one tool call, response_gen
+    included), unanswerable (the episode never called response_gen: termination is not
+    'answer'), format_reward (R_fm = c * (2 * passed - 1) per step, c = 0.25, steps with checks)."""
+    from steprl_jax.agents.formats import formatting_reward
+
     labels = [v.get("label") for v in t.judgements.get("process", [])]
     judged = [x for x in labels if x in ("GOOD", "BAD")]
+    checked = [s for s in t.steps if s.format_checks]
     return {"accuracy": (float(t.judgements.get("outcome", {}).get("label") == "true"), 1.0),
             "process_correctness": (float(judged.count("GOOD")), float(len(judged))),
-            "mean_actions": (float(len(t.steps)), 1.0)}
+            "mean_actions": (float(len(t.steps)), 1.0),
+            "tool_steps": (float(sum(1 for s in t.steps if s.tool_calls or s.kind == "answer")), 1.0),
+            "unanswerable": (float(t.termination != "answer"), 1.0),
+            "format_reward": (float(sum(formatting_reward(s.format_checks) for s in checked)), float(len(checked)))}
 
 
-CI_METRICS = ("accuracy", "process_correctness", "mean_actions")
+CI_METRICS = ("accuracy", "process_correctness", "mean_actions")  # SWiRL's table
+PAPER_METRICS = ("accuracy", "tool_steps", "unanswerable", "format_reward")  # PORTool's table
+_ALL = CI_METRICS + PAPER_METRICS[1:]
 
 
 def ci_metrics(trajectories: Sequence[Trajectory], seed: int = 0) -> dict:
     """Accuracy (outcome judge), process correctness (share of judged steps called GOOD; failed
-    verdicts are left out and counted in `trajectory_metrics`) and mean actions per episode, each
-    {value, lo, hi, n} with a 95% bootstrap interval over episodes; `per_question` holds each
+    verdicts are left out and counted in `trajectory_metrics`), mean actions per episode and
+    PORTool's tool_steps, unanswerable and format_reward (`episode_terms`), each {value, lo, hi, n} with a 95% bootstrap interval over episodes; `per_question` holds each
     question's summed terms for paired comparisons (`stats.paired_diff_ci`)."""
     from steprl_jax.evaluation.stats import ratio_ci
 
-    terms = [_episode_terms(t) for t in trajectories]
+    terms = [episode_terms(t) for t in trajectories]
     out = {name: ratio_ci([x[name][0] for x in terms], [x[name][1] for x in terms], seed=seed)
-           for name in CI_METRICS}
+           for name in _ALL}
     per_question: dict = {}
     for t, x in zip(trajectories, terms):
-        q = per_question.setdefault(t.query_id, {name: [0.0, 0.0] for name in CI_METRICS})
-        for name in CI_METRICS:
+        q = per_question.setdefault(t.query_id, {name: [0.0, 0.0] for name in _ALL})
+        for name in _ALL:
             q[name][0] += x[name][0]
             q[name][1] += x[name][1]
     out["per_question"] = per_question

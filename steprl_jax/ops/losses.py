@@ -136,7 +136,7 @@ def policy_loss(logp_bt, old_logp_bt, advantages_bt, mask_bt, *, eps_low: float,
         "clipfrac_dual": jnp.sum(jnp.where(on, dual_active, False).astype(jnp.float32)),
         "approx_kl": jnp.sum(jnp.where(on, jax.lax.stop_gradient(-log_ratio), 0.0)),
         "ratio": jnp.sum(jnp.where(on, ratio_ng, 0.0)),
-        "token_count": jnp.sum(m),
+        "token_count": jnp.sum(on.astype(jnp.float32)),  # tokens, not weights: means of fractional masks
         "ratio_max": jnp.max(jnp.where(on, ratio_ng, -jnp.inf)),
         "ratio_min": jnp.min(jnp.where(on, ratio_ng, jnp.inf)),
     }

@@ -31,16 +31,21 @@ from steprl_jax.training.batch import Batch, make_batch
 class Span:
     """Consecutive tokens of one kind. `loss`: trained tokens (an action); `logprobs`: the
     log-probs they were sampled with (one per token; required for policy losses); `advantage`:
-    one value for every token of the span."""
+    one value for every token of the span; `weight`: the loss weight of each of its tokens (the
+    batch's loss mask value; the token_mean kernel divides by the sum of the weights, so weights
+    implement per-trajectory or per-query means, agents/tree_batch.py)."""
 
     ids: Sequence[int]
     loss: bool = False
     logprobs: Optional[Sequence[float]] = None
     advantage: float = 0.0
+    weight: float = 1.0
 
     def __post_init__(self):
         if self.logprobs is not None and len(self.logprobs) != len(self.ids):
             raise ValueError(f"a span of {len(self.ids)} tokens has {len(self.logprobs)} log-probs")
+        if not self.weight > 0:
+            raise ValueError(f"a span's loss weight must be > 0, got {self.weight}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +61,7 @@ class Row:
             ids = list(span.ids if ids is None else ids)
             lp = list(span.logprobs) if span.logprobs is not None else [0.0] * len(ids)
             out[0].extend(ids)
-            out[1].extend([float(span.loss)] * len(ids))
+            out[1].extend([float(span.loss) * float(span.weight)] * len(ids))
             out[2].extend(lp[:len(ids)])
             out[3].extend([float(span.advantage) if span.loss else 0.0] * len(ids))
             out[4].extend(range(start_pos, start_pos + len(ids)))

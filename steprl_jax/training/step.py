@@ -42,10 +42,11 @@ def loss_sums(model, batch: Batch, cfg: LossConfig, remat: Optional[str] = None)
                             temperature=cfg.temperature, chunk_size=cfg.logprob_chunk,
                             with_entropy=want_entropy, remat=remat, loss_mask_bt=mask_bt)
     logp_bt, entropy_bt = out if want_entropy else (out, None)
+    on = (mask_bt > 0).astype(jnp.float32)  # metric sums count tokens; the loss uses the weights
     if cfg.kind == "sft":
         total = losses.agg_sum(-logp_bt, mask_bt, cfg.agg)
-        metrics = {"token_count": jnp.sum(mask_bt),
-                   "nll": jnp.sum(jax.lax.stop_gradient(-logp_bt) * mask_bt)}
+        metrics = {"token_count": jnp.sum(on),
+                   "nll": jnp.sum(jnp.where(on > 0, jax.lax.stop_gradient(-logp_bt), 0.0))}
     else:
         total, _, metrics = losses.policy_loss(
             logp_bt, batch.old_logp, batch.advantages, mask_bt, eps_low=cfg.eps_low,
@@ -55,10 +56,10 @@ def loss_sums(model, batch: Batch, cfg: LossConfig, remat: Optional[str] = None)
             raise ValueError("kl_coef > 0 needs batch.ref_logp (see make_logprob_fn)")
         kl_bt = losses.KL_ESTIMATORS[cfg.kl_estimator](logp_bt, batch.ref_logp)
         total = total + cfg.kl_coef * losses.agg_sum(kl_bt, mask_bt, cfg.agg)
-        metrics["kl"] = jnp.sum(jax.lax.stop_gradient(kl_bt) * mask_bt)
+        metrics["kl"] = jnp.sum(jax.lax.stop_gradient(kl_bt) * on)
     if want_entropy:
         total = total - cfg.entropy_coef * losses.agg_sum(entropy_bt, mask_bt, cfg.agg)
-        metrics["entropy"] = jnp.sum(jax.lax.stop_gradient(entropy_bt) * mask_bt)
+        metrics["entropy"] = jnp.sum(jax.lax.stop_gradient(entropy_bt) * on)
     return total, metrics
 
 

@@ -1,0 +1,27 @@
+"""The online RL section (config.job = "rl"): shared loop settings and one block per method.
+
+Defaults follow the PORTool paper where they fit (n = 8 trajectories per query, f = 2,
+gamma = 0.95, w1 = w2 = 1, clip 0.2, no KL) and the baselines' papers (DAPO clip-higher 0.28,
+token-level loss; GRPO seq-mean-token-mean, verl's sample std).
+"""
+from ml_collections import ConfigDict
+
+
+def rl_config() -> ConfigDict:
+    return ConfigDict(dict(
+        iterations=20, queries_per_iteration=4, ppo_epochs=1, minibatches=1, num_microbatches=1,
+        save_every=1, eval_every=5, max_row_tokens=8192,
+        # shared by PORTool's R_fm cap and the *_fm baselines
+        gamma=0.95, fm_scale=0.25,
+        eval=ConfigDict(dict(num_tasks=32, episodes_per_task=1, temperature=0.0, votes=5)),
+        # SFT on the tool world's expert demonstrations before RL; `source`: an exported policy
+        # to start from instead (e.g. the warm start of another run), skipping it.
+        warm_start=ConfigDict(dict(source="", updates=0, batch_size=8, learning_rate=1e-5, num_microbatches=1)),
+        portool=ConfigDict(dict(w1=1.0, w2=1.0, rescale_fork_weight=True, ddof=0,
+                                eps_low=0.2, eps_high=0.2, agg="query_token_mean",
+                                token_weighting="per_trajectory")),
+        grpo=ConfigDict(dict(eps_low=0.2, eps_high=0.2, kl_coef=0.0, agg="seq_mean_token_mean", ddof=1)),
+        dapo=ConfigDict(dict(eps_low=0.2, eps_high=0.28, agg="token_mean", ddof=1, overlong_cache=64,
+                             max_response_tokens=0, max_sampling_rounds=3)),
+        arpo=ConfigDict(dict(initial=4, alpha=0.5, beta=0.5, entropy_tokens=20)),
+    ))

@@ -1,0 +1,61 @@
+"""Shared set-up of the online-RL tests (test helper): tiny tool-world configs for every
+algorithm and a verdict endpoint on 127.0.0.1 whose true / false / unable_to_answer depends only on
+the request (deterministic across processes, so a random policy's groups have different rewards
+and a resume test is not vacuous)."""
+import hashlib
+import json
+
+from chat_stub import ChatStub
+
+LABELS = ("true", "false", "unable_to_answer")
+
+
+def verdict_reply(body: dict) -> str:
+    text = json.dumps(body["messages"], sort_keys=True)
+    return f"Verdict: {LABELS[hashlib.sha256(text.encode()).digest()[0] % 3]}"
+
+
+def VerdictServer(reply=verdict_reply, status: int = 200):
+    return ChatStub(lambda body, i: reply(body), status=status)
+
+
+def judge_http(config, base_url: str) -> None:
+    config.judge.outcome.kind = "http"
+    config.judge.outcome.base_url = base_url
+    config.judge.outcome.model = "stub"
+    config.judge.outcome.votes = 1
+    for key, value in dict(timeout_s=10.0, retries=0, backoff_s=0.01, max_backoff_s=0.02).items():
+        config.judge.outcome[key] = value
+
+
+def tiny_rl_config(workdir, algorithm: str = "portool", judge_url: str = "", **rl):
+    """configs/portool_toolworld.py at test sizes: 2 queries per iteration, n = 4 (f = 2),
+    2 iterations, 12 new tokens, 2 steps, evaluation on 2 held-out queries."""
+    from configs import portool_toolworld
+
+    c = portool_toolworld.get_config()
+    c.workdir = str(workdir)
+    c.progress = False
+    c.algorithm = algorithm
+    c.task.num_tasks = 4
+    c.rollout.max_new_tokens = 12
+    c.rollout.max_steps = 2
+    c.rollout.max_context = 2048
+    c.rollout.tree.n = 4
+    c.rollout.tree.f = 2
+    c.rollout.tree.fork_depths = (1, 2)
+    c.rollout.temperature = 1.0
+    c.rl.iterations = 2
+    c.rl.queries_per_iteration = 2
+    c.rl.eval_every = 2
+    c.rl.eval.num_tasks = 2
+    c.rl.eval.votes = 1
+    c.rl.arpo.initial = 2
+    c.rl.dapo.overlong_cache = 8
+    c.optimizer.learning_rate = 1e-3  # large enough that stale parameters would show in the ratio
+    c.optimizer.max_grad_norm = 0.0
+    for key, value in rl.items():
+        setattr(c.rl, key, value)
+    if judge_url:
+        judge_http(c, judge_url)
+    return c
