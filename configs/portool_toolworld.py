@@ -2,7 +2,9 @@
 
     python -m steprl_jax.main --config=configs/portool_toolworld.py --config.rollout.tree.n=8
 """
-from configs import demo
+from ml_collections import ConfigDict
+
+from configs import demo, rl
 
 
 def get_config(arg=None):
@@ -27,4 +29,12 @@ def get_config(arg=None):
     c.rollout.max_new_tokens = 640
     c.rollout.max_context = 8192
     c.rollout.tree.enabled = True
+    # Online RL (algorithms/online.py): python -m steprl_jax.main --config=configs/portool_toolworld.py
+    # --config.algorithm=NAME trains NAME; --config.job=evaluate runs the tree evaluation only.
+    c.job = "rl"
+    c.algorithm = "portool"  # portool | grpo | grpo_fm | dapo | arpo | arpo_fm
+    c.rl = rl.rl_config()
+    c.task.eval_path, c.task.eval_offset, c.task.eval_num_tasks = "", 0, c.rl.eval.num_tasks
+    c.optimizer = ConfigDict(dict(learning_rate=1e-6, warmup_steps=0, end_lr_ratio=1.0, weight_decay=0.0,
+                                  max_grad_norm=1.0))
     return c
