@@ -5,16 +5,19 @@ import json
 import pytest
 
 from configs import portool_toolworld
-from models_real import smollm2_tokenizer
+from models_real import smollm2, smollm2_tokenizer
+from steprl_jax.algorithms.sft import expert_rows
 from steprl_jax.agents import formats
-from steprl_jax.agents.environments import TOOL_CALL_SYSTEM_PROMPT, ToolCallEnv, clip_result
+from steprl_jax.agents.environments import TOOL_CALL_SYSTEM_PROMPT, Task, ToolCallEnv, clip_result
 from steprl_jax.agents.rollout import RolloutConfig, RolloutEngine
-from steprl_jax.agents.tasks import build_suite
-from steprl_jax.data.toolworld import toolworld_demonstration
+from steprl_jax.agents.tasks import build_suite, toolworld_queries
+from steprl_jax.data.toolworld import execute_plan, toolworld_demonstration
 from steprl_jax.models.chat import compact_tool_line, render_tools
 from steprl_jax.tools.world.generate import generate_world
 from steprl_jax.tools.world.queries import make_splits
+from steprl_jax.tools.registry import ToolRegistry
 from steprl_jax.tools.world.tools import make_registry
+from steprl_jax.training.pack import pack
 
 CALL_SYNTAX = '<tool_call>[{"name": ..., "arguments": {...}}]</tool_call>'
 
@@ -59,6 +62,8 @@ def prompt_ids_of(env, tokenizer, tasks):
         return [engine.prompt(task) for task in tasks]
     finally:
         engine.close()
+        for task in tasks:
+            env.release(task)
 
 
 # ------------------------------------------------------------------ part 1: compact rendering
@@ -98,9 +103,6 @@ def test_compact_rendering_of_the_tool_world(schemas):
 
 
 def test_env_renderings(schemas):
-    from steprl_jax.agents.environments import Task
-    from steprl_jax.tools.registry import ToolRegistry
-
     world = generate_world(0)
     query = make_splits(0, 4, 4)["train"][0]
     registry = make_registry(world, query.context)
@@ -147,8 +149,6 @@ def rollout_view(env, tokenizer, task, world, query):
 
 
 def _plan_results(world, query):
-    from steprl_jax.data.toolworld import execute_plan
-
     return execute_plan(world, query) + [[]]  # the final response_gen step has no observation
 
 
@@ -166,10 +166,10 @@ def test_default_config_fits_a_six_step_episode(tokenizer):
     max_new = int(config.rollout.max_new_tokens)
     config.task.num_tasks = 256  # every train template
     suite = build_suite(config, split="train")
-    world = generate_world(int(config.task.world_seed))
-    queries = {q.id: q for q in make_splits(int(config.task.world_seed), 256, 256, seed=int(config.seed))["train"]}
+    world, train = toolworld_queries(config, "train")
+    queries = {q.id: q for q in train}
     tasks = {t.id: t for t in suite.tasks}
-    assert set(tasks) == set(queries)
+    assert set(tasks) == set(queries) and len(queries) == 256
     views = {}
     for qid, query in queries.items():
         _, steps = rollout_view(suite.env, tokenizer, tasks[qid], world, query)
@@ -191,3 +191,58 @@ def test_default_config_fits_a_six_step_episode(tokenizer):
             length += len(action)
             assert length + len(observation) + max_new <= config.rollout.max_context
             length += len(observation)
+
+
+# ------------------------------------------------------------------ part 3: expert rows for SFT
+@pytest.mark.parametrize("rendering", ["compact", "json"])
+def test_expert_rows_are_what_a_rollout_sees(tokenizer, rendering):
+    config = toolworld_config(tool_rendering=rendering)
+    config.task.num_tasks = 8
+    rows = expert_rows(config, tokenizer)
+    suite = build_suite(config, split="train")
+    world, queries = toolworld_queries(config, "train")
+    assert len(rows) == len(suite.tasks) == len(queries) == 8
+    assert [t.id for t in suite.tasks] == [q.id for q in queries]
+    for row, task, query in zip(rows, suite.tasks, queries):
+        prompt, steps = rollout_view(suite.env, tokenizer, task, world, query)
+        assert not row.branches
+        assert list(row.prefix[0].ids) == prompt and not row.prefix[0].loss
+        # action (loss), observation (no loss), ..., the response_gen action (loss) last.
+        expected = [(ids, loss) for action, observation in steps
+                    for ids, loss in ((action, True), (observation, False)) if ids]
+        assert [(list(s.ids), s.loss) for s in row.prefix[1:]] == expected
+        actions = [step.action for step in toolworld_demonstration(world, query).steps]
+        assert [tokenizer.decode(s.ids) for s in row.prefix if s.loss] == actions
+        assert row.prefix[-1].loss and actions[-1].endswith("</tool_call>")
+        assert '"name": "response_gen"' in actions[-1]
+    batch = pack(rows)
+    assert batch.tokens.shape[0] == len(rows)
+    assert int(batch.loss_mask.sum()) == sum(len(s.ids) for row in rows for s in row.prefix if s.loss)
+    for r, row in enumerate(rows):
+        ids = [t for s in row.prefix for t in s.ids]
+        assert batch.tokens[r, :len(ids)].tolist() == ids
+
+
+def test_expert_rows_need_the_tool_world(tokenizer):
+    from configs import demo
+
+    with pytest.raises(ValueError, match="toolworld"):
+        expert_rows(demo.get_config(), tokenizer)
+
+
+def test_smollm2_next_token_loss_on_an_expert_row():
+    import jax.numpy as jnp
+    import numpy as np
+
+    from steprl_jax.training.forward import sequence_logprobs
+
+    model, tokenizer = smollm2()
+    config = toolworld_config()
+    config.task.num_tasks = 4
+    row = min(expert_rows(config, tokenizer), key=len)
+    batch = pack([row])
+    logp_bt = sequence_logprobs(model, jnp.asarray(batch.tokens), attention_mask_bt=jnp.asarray(batch.attention_mask),
+                                loss_mask_bt=jnp.asarray(batch.loss_mask))
+    mask = np.asarray(batch.loss_mask)
+    nll = -float((np.asarray(logp_bt) * mask).sum() / mask.sum())
+    assert np.isfinite(nll) and 0.0 < nll < np.log(model.config.vocab_size), nll

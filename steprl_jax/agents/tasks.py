@@ -120,17 +120,32 @@ def _tagged_env(config, search_index, examples=()) -> TaggedEnv:
     return TaggedEnv(registry, invalid_action=config.env.invalid_action, examples=examples)
 
 
-def _toolworld_suite(config) -> TaskSuite:
+def toolworld_queries(config, split: str | None = None):
+    """(world, queries) behind the tool-world suite of `config` (`split`: see `split_config`):
+    the queries are those of `build_suite(config, split).tasks`, in order, with their reference
+    plans (expert demonstrations need them)."""
+    if split is not None:
+        config = split_config(config, split)
+    world, _, queries = _toolworld_data(config)
+    return world, queries
+
+
+def _toolworld_data(config):
     from steprl_jax.tools.world.generate import generate_world
     from steprl_jax.tools.world.queries import make_splits
-    from steprl_jax.tools.world.tools import make_registry
 
     world = generate_world(int(config.task.world_seed))
     n = int(config.task.offset) + int(config.task.num_tasks or 64)
     splits = make_splits(int(config.task.world_seed), n, n, seed=int(config.seed))
     if config.task.split not in splits:
         raise ValueError(f"config.task.split: {config.task.split!r} is not one of {sorted(splits)}")
-    queries = _select(splits[config.task.split], config)
+    return world, splits, _select(splits[config.task.split], config)
+
+
+def _toolworld_suite(config) -> TaskSuite:
+    from steprl_jax.tools.world.tools import make_registry
+
+    world, splits, queries = _toolworld_data(config)
     by_id = {q.id: q for q in queries}
     tasks = [Task(q.id, q.question, q.answer, {"context": _context_line(q)}) for q in queries]
     failure_rate = float(config.task.failure_rate)
