@@ -35,6 +35,8 @@ def get_config(arg=None):
     c.algorithm = "portool"  # portool | grpo | grpo_fm | dapo | arpo | arpo_fm
     c.rl = rl.rl_config()
     c.task.eval_path, c.task.eval_offset, c.task.eval_num_tasks = "", 0, c.rl.eval.num_tasks
+    # The outcome judge: rule by default (the reference answer); http/local with `votes` (majority).
+    c.judge.outcome.update(dict(timeout_s=60.0, retries=3, backoff_s=1.0, max_backoff_s=30.0))
     c.optimizer = ConfigDict(dict(learning_rate=1e-6, warmup_steps=0, end_lr_ratio=1.0, weight_decay=0.0,
                                   max_grad_norm=1.0))
     return c

@@ -24,8 +24,7 @@ def judge_http(config, base_url: str) -> None:
     config.judge.outcome.base_url = base_url
     config.judge.outcome.model = "stub"
     config.judge.outcome.votes = 1
-    for key, value in dict(timeout_s=10.0, retries=0, backoff_s=0.01, max_backoff_s=0.02).items():
-        config.judge.outcome[key] = value
+    config.judge.outcome.update(dict(timeout_s=10.0, retries=0, backoff_s=0.01, max_backoff_s=0.02))
 
 
 def tiny_rl_config(workdir, algorithm: str = "portool", judge_url: str = "", **rl):
