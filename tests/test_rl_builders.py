@@ -1,0 +1,204 @@
+"""Batch builders of the online algorithms on hand-built judged trees: advantages per step token,
+no loss on tool responses, one advantage per shared step, exact per-query / per-trajectory
+token means under any micro-batch split, DAPO's overlong shaping and group filter."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from ml_collections import ConfigDict
+
+from configs import portool_toolworld
+from steprl_jax.agents.records import Step, TreeNode, TreeRecord, Trajectory
+from steprl_jax.agents.tree_batch import judged_tree, leaf_rows, tree_arrays
+from steprl_jax.algorithms import dapo, grpo, portool
+from steprl_jax.ops.advantages import tree_advantages
+from steprl_jax.training.pack import pack
+
+CHECKS_OK = dict(has_think=True, has_tool_call=True, valid_json=True, known_tools=True, valid_arguments=True,
+                 executed_ok=True)
+
+
+def step(action, observation=(), checks=None):
+    return Step(action_text="a", action_ids=list(action), action_logprobs=[-0.5] * len(action),
+                observation_ids=list(observation), format_checks=dict(checks or CHECKS_OK))
+
+
+def tree(tree_id="t0", outcomes=(1.0, -1.0, 0.0)):
+    """prompt [1, 2, 3]; node 0 (shared first step) -> nodes 1 and 2 (leaves), and node 3 (a first
+    step that is a leaf on its own): three trajectories, one fork under node 0 and one at the prompt."""
+    r = TreeRecord(tree_id, "q", "question?", "", [1, 2, 3])
+    r.nodes = [TreeNode(-1, step([10, 11], [90, 91, 92]), 1), TreeNode(0, step([12, 13, 14]), 2),
+               TreeNode(0, step([15], checks={**CHECKS_OK, "executed_ok": False}), 2), TreeNode(-1, step([16, 17]), 1)]
+    for leaf, o in zip((1, 2, 3), outcomes):
+        r.leaf_outcomes[str(leaf)] = o
+    return r
+
+
+def config(**rl):
+    c = portool_toolworld.get_config()
+    for key, value in rl.items():
+        c.rl[key] = value
+    return c
+
+
+def _token_table(batch):
+    """(token, loss weight, advantage) of every trained token, in row order."""
+    out = []
+    for b in range(batch.tokens.shape[0]):
+        for t in range(batch.tokens.shape[1]):
+            if batch.loss_mask[b, t] > 0:
+                out.append((int(batch.tokens[b, t]), float(batch.loss_mask[b, t]), float(batch.advantages[b, t])))
+    return out
+
+
+def test_portool_rows_carry_each_steps_advantage_and_no_loss_on_tool_responses():
+    record = tree()
+    rows, metrics = portool.build([record], config())
+    batch = pack(rows)
+    parent, outcome, fm = tree_arrays(record)
+    _, adv = tree_advantages(jnp.asarray(parent), jnp.asarray(outcome), jnp.asarray(fm), gamma=0.95, fm_scale=0.25)
+    adv = np.asarray(adv)
+    node_of = {10: 0, 11: 0, 12: 1, 13: 1, 14: 1, 15: 2, 16: 3, 17: 3}
+    table = _token_table(batch)
+    # per trajectory: node 0's tokens appear on both paths through it, every time with node 0's advantage
+    assert sorted(t for t, _, _ in table) == sorted([10, 11, 12, 13, 14, 10, 11, 15, 16, 17])
+    for token, _, a in table:
+        assert a == pytest.approx(adv[node_of[token]], abs=1e-6)
+    # tool responses (90..92) and the prompt are context, never trained
+    mask = np.asarray(batch.loss_mask)
+    for token in (1, 2, 3, 90, 91, 92):
+        assert not mask[np.asarray(batch.tokens) == token].any()
+    # query_token_mean: every trained token weighs 1 / (the query's trained tokens)
+    assert [w for _, w, _ in table] == pytest.approx([1 / 10] * 10)
+    assert metrics["reward"] == pytest.approx(0.0)
+
+
+def test_once_weighting_trains_a_shared_step_once():
+    rows, _ = portool.build([tree()], config(portool=ConfigDict(dict(
+        portool_toolworld.get_config().rl.portool.to_dict(), token_weighting="once"))))
+    table = _token_table(pack(rows))
+    assert sorted(t for t, _, _ in table) == [10, 11, 12, 13, 14, 15, 16, 17]
+    assert [w for _, w, _ in table] == pytest.approx([1 / 8] * 8)
+
+
+def test_grpo_gives_every_token_of_a_trajectory_its_group_zscore():
+    record = tree(outcomes=(1.0, -1.0, -1.0))
+    rows, _ = grpo.GRPO.build([record], config())
+    table = _token_table(pack(rows))
+    r = np.array([1.0, -1.0, -1.0])
+    z = (r - r.mean()) / (r.std(ddof=1) + 1e-6)  # verl's sample std
+    # trajectory of leaf 1 = nodes 0, 1 (5 tokens), leaf 2 = nodes 0, 2 (3 tokens), leaf 3 = node 3 (2)
+    expected = sorted([(t, 1 / 5, z[0]) for t in (10, 11, 12, 13, 14)] + [(t, 1 / 3, z[1]) for t in (10, 11, 15)]
+                      + [(t, 1 / 2, z[2]) for t in (16, 17)])
+    assert len(table) == len(expected)
+    for (t, w, a), (te, we, ae) in zip(sorted(table), expected):
+        assert (t, w, a) == (te, pytest.approx(we), pytest.approx(ae, abs=1e-5))
+
+
+def test_grpo_fm_adds_the_mean_formatting_reward():
+    record = tree(outcomes=(1.0, 1.0, 1.0))
+    c = config()
+    cap = grpo.fm_cap(c)
+    assert grpo.outcome_plus_fm(record, 2, c) == pytest.approx(1.0 + cap * (1 + 2 / 3) / 2)  # node 2 fails 1 of 6
+    assert grpo.outcome_plus_fm(record, 1, c) == pytest.approx(1.0 + cap)
+
+
+def test_partly_judged_tree_trains_on_the_judged_leaves():
+    record = tree()
+    record.leaf_outcomes["2"] = None  # the judge failed for this leaf
+    judged = judged_tree(record)
+    assert len(judged.leaves()) == 2 and len(judged.nodes) == 3
+    rows, _ = portool.build([judged], config())
+    assert sorted(t for t, _, _ in _token_table(pack(rows))) == [10, 11, 12, 13, 14, 16, 17]
+    record.leaf_outcomes = {k: None for k in record.leaf_outcomes}
+    assert judged_tree(record) is None
+
+
+@functools.lru_cache(maxsize=None)
+def _tiny():
+    from flax import nnx
+
+    from steprl_jax.models import ModelConfig, Transformer
+    from steprl_jax.training import make_logprob_fn
+    from steprl_jax.training.state import split_model
+
+    model = Transformer(ModelConfig.tiny("llama", vocab_size=128, max_position_embeddings=256), rngs=nnx.Rngs(0))
+    graphdef, params, rest = split_model(model)
+    return graphdef, params, rest, make_logprob_fn(graphdef)
+
+
+@functools.lru_cache(maxsize=None)
+def _loss_fn(num_microbatches):
+    from steprl_jax.training import LossConfig, TrainStepConfig
+    from steprl_jax.training.step import make_loss_and_grad
+
+    return jax.jit(make_loss_and_grad(_tiny()[0], TrainStepConfig(loss=LossConfig(kind="policy", agg="token_mean"),
+                                                                  num_microbatches=num_microbatches)))
+
+
+def _loss_and_grad(batch, num_microbatches):
+    _, params, rest, logprob_fn = _tiny()
+    logp = logprob_fn(params, rest, batch.tokens, batch.attention_mask, None, batch.positions, batch.branch_ids)
+    batch = batch.replace(old_logp=logp)  # parameters unchanged: ratio 1, per-token loss = -advantage
+    return _loss_fn(num_microbatches)(params, rest, batch)
+
+
+@pytest.mark.parametrize("agg", ["query_token_mean", "seq_mean_token_mean", "token_mean"])
+def test_token_means_over_several_queries_are_exact_under_any_micro_batch_split(agg):
+    trees = [tree("t0", (1.0, -1.0, 0.0)), tree("t1", (0.0, 1.0, 1.0)), tree("t2", (-1.0, 0.0, 1.0)),
+             tree("t3", (1.0, 1.0, -1.0))]
+    per_tree, rows = [], []
+    for record in trees:
+        adv_of = {0: 0.5, 1: -1.0, 2: 2.0, 3: -0.25}
+        rows_t = leaf_rows(record, lambda leaf, node: adv_of[node] + len(record.id), agg=agg)
+        rows += rows_t
+        per_tree.append([(s.ids, s.advantage) for r in rows_t for b in r.branches for s in b if s.loss])
+    # NumPy reference of the loss at ratio 1 (-A per token), aggregated as the mode says
+    if agg == "query_token_mean":
+        ref = np.mean([np.mean([-a for ids, a in spans for _ in ids]) for spans in per_tree])
+    elif agg == "token_mean":
+        ref = np.mean([-a for spans in per_tree for ids, a in spans for _ in ids])
+    else:
+        trajectories = []
+        for record in trees:
+            for leaf in record.leaves():
+                toks = [-(adv_of[n] + len(record.id)) for n in record.path(leaf) for _ in record.nodes[n].step.action_ids]
+                trajectories.append(np.mean(toks))
+        ref = np.mean(trajectories)
+    results = []
+    for m in (1, 2, 4):
+        batch = pack(rows, num_microbatches=m)
+        loss, grads, _ = _loss_and_grad(batch, m)
+        assert float(loss) == pytest.approx(ref, rel=1e-5, abs=1e-6)
+        results.append(grads)
+    for other in results[1:]:
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7), results[0], other)
+
+
+def test_dapo_overlong_shaping_at_its_boundaries():
+    assert dapo.overlong_penalty(0, 100, 20) == 0.0
+    assert dapo.overlong_penalty(80, 100, 20) == 0.0  # L_max - L_cache: still free
+    assert dapo.overlong_penalty(81, 100, 20) == pytest.approx(-1 / 20)
+    assert dapo.overlong_penalty(90, 100, 20) == pytest.approx(-0.5)
+    assert dapo.overlong_penalty(100, 100, 20) == pytest.approx(-1.0)  # at L_max: the full linear penalty
+    assert dapo.overlong_penalty(101, 100, 20) == -1.0  # beyond
+    with pytest.raises(ValueError, match="overlong cache"):
+        dapo.overlong_penalty(10, 100, 0)
+
+
+def test_dapo_keeps_only_informative_groups():
+    c = config()
+    assert dapo.keep_group(tree(outcomes=(1.0, -1.0, 1.0)), c)
+    assert not dapo.keep_group(tree(outcomes=(1.0, 1.0, 1.0)), c)
+    assert not dapo.keep_group(tree(outcomes=(0.0, 0.0, 0.0)), c)
+
+
+def test_groups_become_trees_that_meet_at_the_prompt():
+    trajectories = [Trajectory(f"g#{e}", "q", "question?", "", [1, 2], steps=[step([5 + e]), step([7])],
+                               termination="answer", final_answer=str(e)) for e in range(3)]
+    record = TreeRecord.from_group("g", trajectories)
+    assert record.leaves() == [1, 3, 5]
+    assert [record.nodes[i].parent for i in range(6)] == [-1, 0, -1, 2, -1, 4]
+    assert record.trajectory(3).final_answer == "1"
