@@ -9,6 +9,7 @@ generate their next action while the slow ones are still waiting.
 
 Trees (PORTool, METHODS 2.3) use the same machinery: a branch is a cache row, and a
 fork copies rows of the cache (`Sampler.fork`), so a shared prefix is computed once.
+ARPO's entropy-based adaptive rollout (`run_arpo`) is a tree too, branched after tool calls.
 
 Records are token-exact (agents/records.py): the ids and log-probs the sampler
 returned, and the observation ids exactly as appended.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import math
 import random
 import time
 from typing import Iterable, Iterator, Optional, Sequence
@@ -75,6 +77,7 @@ class _Branch:
     node_ids: list  # tree node index of each step (trees only)
     length: int  # tokens in the row's context (prompt + steps)
     tree: int = 0  # index of the branch's tree in its batch (trees only; a query may appear twice)
+    entropy0: Optional[float] = None  # ARPO: normalised entropy of the first action on this path
     done: bool = False
     termination: str = ""
     final_answer: Optional[str] = None
@@ -156,8 +159,9 @@ class RolloutEngine:
                 ready = [b for b in finished if not b.done]
         return state
 
-    def _generate_and_act(self, state, rows: list[_Branch]):
-        """One jitted generation call for `rows` (other rows untouched), then their host work on the pool."""
+    def _generate_and_act(self, state, rows: list[_Branch], with_entropy: bool = False):
+        """One jitted generation call for `rows` (other rows untouched), then their host work on the pool;
+        `with_entropy` records the per-token entropies whatever the config says."""
         from steprl_jax.sampling import SamplingParams
 
         self.key, key = jax.random.split(self.key)
@@ -165,7 +169,7 @@ class RolloutEngine:
         max_new[[b.row for b in rows]] = self.config.max_new_tokens
         c = self.config
         params = SamplingParams(temperature=c.temperature if c.temperature > 0 else 1.0, top_k=c.top_k,
-                                top_p=c.top_p, greedy=c.temperature <= 0, with_entropy=c.with_entropy)
+                                top_p=c.top_p, greedy=c.temperature <= 0, with_entropy=c.with_entropy or with_entropy)
         t0 = time.perf_counter()
         state, generations = self.sampler.generate(state, key, max_new_tokens=max_new, params=params,
                                                    stop=self.env.stop_strings)
@@ -347,11 +351,138 @@ class RolloutEngine:
             kept.append(c)
         return kept, state
 
+    # ------------------------------------------------------------------ ARPO
+    def run_arpo(self, trees: Sequence[tuple[str, Task]], n: int, initial: int, f: int, alpha: float, beta: float,
+                 entropy_tokens: int = 20, seed: int = 0) -> Iterator[TreeRecord]:
+        """ARPO's entropy-based adaptive rollout (Dong et al. 2025, METHODS 2.8): one tree with exactly
+        `n` leaves per (tree id, task), in the conventions of `run_trees`.
+
+        Reading (of the paper's section 3.1 and its reference code, `vllm_rollout_with_tools.py` of
+        dongguanting/ARPO):
+        * `initial` chains start from the prompt (forks of its cache row).
+        * H(action) = mean over the action's first <= `entropy_tokens` tokens of the entropy of the
+          sampler's untruncated distribution softmax(logits / temperature) (temperature 1 when
+          greedy; `Generation.entropies`, from the logits each token was sampled from), divided by
+          log(V), V = the model's vocabulary size, so H is in [0, 1]; an empty action has H = 0.
+          (The reference code takes -p log p over vLLM's top-10 log-probs at each of the first 20
+          tokens, sums it over the tokens and divides by log V; we average over the tokens and use
+          the whole vocabulary.)
+        * H_0 of a chain is H of its first action; a branch inherits its parent's H_0 (they share that
+          action).
+        * After a tool response (a step with tool calls whose observation was appended; never after
+          an answer or an invalid action) the chain samples its next action as usual and
+          H_t = H(that action): the entropy the tool response caused, as the paper describes it.
+          dH = H_t - H_0 and p = clip(alpha + beta * dH, 0, 1); one draw u of `random.Random(seed)`
+          decides: if u < p the chain branches at the tool-call step: min(f - 1, n - chains) copies
+          are forked from its cache row as it was right after the tool response, and each samples
+          its own next action. (The reference code instead takes H_t from the action that ended in
+          the tool call, so the first decision has dH = 0, and draws once per possible copy:
+          branch iff clip(u - entropy_weight * dH, 0, 1) <= branch_probability, i.e.
+          alpha = branch_probability, beta = entropy_weight.)
+        * A tree never holds more than `n` chains; once a tree has no running chain and fewer than `n`,
+          the rest start from the prompt as independent chains (the reference spends the unused
+          budget on new root samples too). So every tree ends with exactly `n` leaves.
+
+        Per node, `record.metadata["arpo"]["nodes"][str(i)]["entropy"]` is H of its action; each
+        decision is one entry of `...["decisions"]`: the tool-call node it was made at, the node whose
+        entropy it used (`measured`), H_t, H_0, dH, p, the draw (None when the budget was full, and
+        no draw is made), and the copies made. Sampling randomness comes from the engine's key, the
+        branching randomness from `seed` alone.
+        """
+        if not (1 <= initial <= n and f >= 1 and entropy_tokens >= 1):
+            raise ValueError(f"ARPO needs 1 <= initial <= n, f >= 1, entropy_tokens >= 1 "
+                             f"(got n={n}, initial={initial}, f={f}, entropy_tokens={entropy_tokens})")
+        rng = random.Random(seed)
+        settings = dict(n=n, initial=initial, f=f, alpha=alpha, beta=beta, entropy_tokens=entropy_tokens)
+        per_batch = max(1, self.config.batch_size // n)
+        for start in range(0, len(trees), per_batch):
+            yield from self._run_arpo_batch(trees[start:start + per_batch], settings, rng)
+
+    def _run_arpo_batch(self, trees, settings: dict, rng: random.Random) -> list[TreeRecord]:
+        n, f, alpha, beta = settings["n"], settings["f"], settings["alpha"], settings["beta"]
+        log_vocab = math.log(self.sampler.config.vocab_size)
+
+        def entropy(step: Step) -> float:
+            head = step.action_entropies[:settings["entropy_tokens"]]
+            return float(np.mean(head)) / log_vocab if head else 0.0
+
+        prompts = [self.prompt(task) for _, task in trees]
+        state = self._prefill([ids for _, ids in prompts])
+        records = [TreeRecord(tree_id, task.id, task.question, text, ids, reference_answer=task.reference,
+                              metadata={**task.metadata, "arpo": {**settings, "log_vocab": log_vocab,
+                                                                  "nodes": {}, "decisions": []}})
+                   for (tree_id, task), (text, ids) in zip(trees, prompts)]
+        # The prompt rows, kept in the state while their tree may still start chains from them.
+        roots = [_Branch(task, i, [], [], len(ids), tree=i)
+                 for i, ((_, task), (_, ids)) in enumerate(zip(trees, prompts))]
+        chains_of = [0] * len(trees)  # chains started per tree (running + finished)
+        live: list[_Branch] = []
+        while live or roots:
+            # New chains from the prompt: `initial` at first, later the rest of a tree's budget once it has
+            # no running chain. Chains just past a tool response keep their row as it is (`resume`).
+            fresh = []
+            for root in roots:
+                if chains_of[root.tree] == 0 or not any(c.tree == root.tree for c in live):
+                    count = settings["initial"] if chains_of[root.tree] == 0 else n - chains_of[root.tree]
+                    chains_of[root.tree] += count
+                    fresh += [_copy(root) for _ in range(count)]
+            resume = {id(c): _copy(c) for c in live if c.steps[-1].tool_calls}
+            roots = [r for r in roots if chains_of[r.tree] < n]
+            chains = live + fresh
+            state = self._relayout(state, chains + list(resume.values()) + roots)
+            state = self._generate_and_act(state, chains, with_entropy=True)
+            concurrent.futures.wait([c.future for c in chains])  # trees advance in lock step
+            for c in fresh:
+                c.entropy0 = entropy(c.steps[0])
+            copies, decisions = [], []
+            for c in [c for c in live if id(c) in resume]:  # a decision at each tool response
+                h = entropy(c.steps[-1])
+                p = min(1.0, max(0.0, alpha + beta * (h - c.entropy0)))
+                budget = min(f - 1, n - chains_of[c.tree])
+                draw = rng.random() if budget > 0 else None
+                made = budget if draw is not None and draw < p else 0
+                chains_of[c.tree] += made
+                copies += [_copy(resume[id(c)]) for _ in range(made)]
+                decisions.append((c, dict(entropy=h, entropy0=c.entropy0, delta=h - c.entropy0, p=p, draw=draw,
+                                          branched=made > 0, copies=made)))
+            roots = [r for r in roots if chains_of[r.tree] < n]
+            running = [c for c in chains if not c.done]
+            state = self._relayout(state, running + copies + roots)
+            if copies:
+                state = self._generate_and_act(state, copies, with_entropy=True)
+                concurrent.futures.wait([c.future for c in copies])
+            state = self._append_observations(state, chains + copies, running + copies + roots)
+            _add_nodes(records, chains + copies)
+            for c in chains + copies:
+                records[c.tree].metadata["arpo"]["nodes"][str(c.node_ids[-1])] = {"entropy": entropy(c.steps[-1])}
+            for c, decision in decisions:
+                records[c.tree].metadata["arpo"]["decisions"].append(
+                    dict(node=c.node_ids[-2], measured=c.node_ids[-1], **decision))
+            live = [c for c in chains + copies if not c.done]
+        for (_, task) in trees:
+            self.env.release(task)
+        return records
+
+    def _relayout(self, state, holders: list[_Branch]):
+        """A state whose row i is the current row of `holders[i]` (rows repeat or drop); renumbers them.
+        With no holders (the batch is done) the state is left as it is."""
+        if not holders:
+            return state
+        state = self._fork(state, [b.row for b in holders])
+        for row, b in enumerate(holders):
+            b.row = row
+        return state
+
     def _fork(self, state, rows: list[int]):
         if rows == list(range(len(rows))) and len(rows) == state.num_rows:
             return state
         self.stats.forks += 1
         return self.sampler.fork(state, rows)
+
+
+def _copy(branch: _Branch) -> _Branch:
+    """A new branch on the same row and path (the path lists are its own)."""
+    return dataclasses.replace(branch, steps=list(branch.steps), node_ids=list(branch.node_ids))
 
 
 def _add_nodes(records: list[TreeRecord], branches: list[_Branch]) -> None:
