@@ -21,8 +21,9 @@ Per iteration (`algorithms/rl.py` says what each method contributes):
     checkpoint  every `rl.save_every` iterations: train state (parameters, optimizer, step,
                 its RNG) and the data position (iteration, query cursor, next rollout keys)
     eval        before the first iteration, every `rl.eval_every` and after the last: held-out
-                queries, greedy by default, judge votes `rl.eval.votes`, the paper's four
-                metrics with 95% intervals -> eval/iter_XXXXX.metrics.json
+                queries (`rl.eval.num_tasks`, 0 switches it off), greedy by default, judge votes
+                `rl.eval.votes`, the paper's four metrics with 95% intervals ->
+                eval/iter_XXXXX.metrics.json
 
 Every random draw of an iteration (the rollout key, the tree-resampling and ARPO branching
 RNGs) is a pure function of (seed, iteration, sampling round), so a resumed run continues
@@ -365,6 +366,8 @@ class OnlineLoop:
             with open(path, encoding="utf-8") as f:
                 return json.load(f)
         e = self.rl.eval
+        if int(e.num_tasks) <= 0:  # evaluation switched off
+            return {}
         config = self.config.copy_and_resolve_references()
         with config.unlocked():
             config.rollout.temperature = float(e.temperature)
