@@ -16,7 +16,8 @@ def rl_config() -> ConfigDict:
         eval=ConfigDict(dict(num_tasks=32, episodes_per_task=1, temperature=0.0, votes=5)),
         # SFT on the tool world's expert demonstrations before RL; `source`: an exported policy
         # to start from instead (e.g. the warm start of another run), skipping it.
-        warm_start=ConfigDict(dict(source="", updates=0, batch_size=8, learning_rate=1e-5, num_microbatches=1)),
+        warm_start=ConfigDict(dict(source="", updates=0, batch_size=8, learning_rate=1e-5, num_microbatches=1,
+                                   max_row_tokens=4096)),
         portool=ConfigDict(dict(w1=1.0, w2=1.0, rescale_fork_weight=True, ddof=0,
                                 eps_low=0.2, eps_high=0.2, agg="query_token_mean",
                                 token_weighting="per_trajectory")),

@@ -9,7 +9,7 @@ from flax import nnx
 from steprl_jax.models import ModelConfig, Transformer
 from steprl_jax.training.config import LossConfig, TrainStepConfig
 from steprl_jax.training.forward import sequence_logprobs
-from steprl_jax.training.pack import Row, Span, pack
+from steprl_jax.training.pack import Row, Span, pack, share_prefix
 from steprl_jax.training.step import make_loss_and_grad
 
 CFG = ModelConfig.tiny(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -83,3 +83,27 @@ def test_shared_prefix_rows_equal_separate_rows():
     lf, gf, _ = fn(params, rest, jax.tree.map(jnp.asarray, flat))
     np.testing.assert_allclose(float(ls), float(lf), rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6), gs, gf)
+
+
+def test_share_prefix_merges_rows_of_one_start_and_keeps_the_loss():
+    rng = np.random.default_rng(3)
+    system = rng.integers(1, CFG.vocab_size, 12).tolist()
+    rows = []
+    for n_user, n_action, n_obs in ((3, 4, 2), (5, 2, 3), (2, 6, 1)):
+        prompt = system + rng.integers(1, CFG.vocab_size, n_user).tolist()
+        rows.append(Row([Span(prompt), Span(rng.integers(1, CFG.vocab_size, n_action).tolist(), loss=True),
+                         Span(rng.integers(1, CFG.vocab_size, n_obs).tolist()),
+                         Span(rng.integers(1, CFG.vocab_size, 2).tolist(), loss=True)]))
+    shared = share_prefix(rows)
+    assert len(shared) == 1 and len(shared[0].branches) == 3 and len(shared[0]) < sum(len(r) for r in rows)
+    assert len(share_prefix(rows, max_tokens=40)) == 2  # split to fit
+    model = Transformer(CFG, rngs=nnx.Rngs(0))
+    a, b = pack(shared), pack(rows)
+
+    def logps(batch):
+        return np.asarray(sequence_logprobs(model, jnp.asarray(batch.tokens), attention_mask_bt=batch.attention_mask,
+                                            positions_bt=batch.positions, branch_ids_bt=batch.branch_ids))
+
+    assert np.array_equal(a.tokens[a.loss_mask > 0], b.tokens[b.loss_mask > 0])
+    np.testing.assert_allclose(logps(a)[a.loss_mask > 0], logps(b)[b.loss_mask > 0], rtol=1e-5, atol=1e-5)
+    assert share_prefix([rows[0]]) == [rows[0]]  # nothing to share

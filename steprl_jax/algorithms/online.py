@@ -141,8 +141,12 @@ def warm_start(config, model, tokenizer):
         from steprl_jax.algorithms import sft as sft_lib
         from steprl_jax.algorithms.offline import OfflineSpec, train_offline
 
+        from steprl_jax.training.pack import share_prefix
+
         rows = sft_lib.expert_rows(config, tokenizer, split="train")
-        spec = OfflineSpec("sft", rows, lambda items, update, policy: (list(items), {}), sft_lib.LOSS,
+        # One system prompt and tool list for every query: computed once per packed row.
+        build = lambda items, update, policy: (share_prefix(list(items), int(w.max_row_tokens) or None), {})
+        spec = OfflineSpec("sft", rows, build, sft_lib.LOSS,
                            _optimizer(config, int(w.updates), float(w.learning_rate)),
                            batch_size=int(w.batch_size), updates=int(w.updates),
                            num_microbatches=int(w.num_microbatches), save_every=max(1, int(w.updates)))

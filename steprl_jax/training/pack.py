@@ -94,6 +94,36 @@ class Row:
         return prefix + sum(1 + sum(len(s.ids) for s in b) for b in self.branches)
 
 
+def share_prefix(rows: Sequence[Row], max_tokens: Optional[int] = None) -> list[Row]:
+    """Rows without branches whose first spans start alike (SFT rows of one system prompt and tool
+    list, say) merged into rows of at most `max_tokens`: the common start once as the prefix, each
+    row's remainder a branch. The same loss tokens with the same context, computed once."""
+    if not rows or any(row.branches for row in rows) or any(row.prefix[0].loss for row in rows):
+        return list(rows)
+    first = [list(row.prefix[0].ids) for row in rows]
+    common = first[0]
+    for ids in first[1:]:
+        k = 0
+        while k < min(len(common), len(ids)) and common[k] == ids[k]:
+            k += 1
+        common = common[:k]
+    if len(common) < 2 or len(rows) == 1:
+        return list(rows)
+    k = len(common) - 1  # each branch starts with a copy of the prefix's last token: keep one apart
+    prefix = [Span(common[:k])]
+    merged, current, length = [], [], k
+    for row, ids in zip(rows, first):
+        branch = [Span(ids[k:]), *row.prefix[1:]]
+        size = 1 + sum(len(s.ids) for s in branch)
+        if current and max_tokens is not None and length + size > max_tokens:
+            merged.append(Row(prefix, current))
+            current, length = [], k
+        current.append(branch)
+        length += size
+    merged.append(Row(prefix, current))
+    return merged
+
+
 def pack(rows: Sequence[Row], *, num_microbatches: int = 1, num_data_shards: int = 1,
          min_rows: int = 0, min_length: int = 64, max_length: Optional[int] = None,
          pad_id: int = 0) -> Batch:
