@@ -618,7 +618,7 @@ def test_incompatible_resume_missing_inputs_and_unknown_stages(tmp_path):
 def test_unknown_job_lists_the_valid_jobs(tmp_path):
     from steprl_jax import main
 
-    with pytest.raises(ValueError, match="unknown job 'swirll'; valid jobs: evaluate, swirl"):
+    with pytest.raises(ValueError, match="unknown job 'swirll'; valid jobs: evaluate, rl, swirl"):
         main.run(_with(tiny_config(tmp_path), job="swirll"))
 
 
