@@ -11,7 +11,8 @@ from ml_collections import ConfigDict
 
 from configs import portool_toolworld
 from steprl_jax.agents.records import Step, TreeNode, TreeRecord, Trajectory
-from steprl_jax.agents.tree_batch import judged_tree, leaf_rows, tree_arrays
+from steprl_jax.agents.tree_batch import judged_tree, tree_arrays
+from steprl_jax.algorithms.tree_rows import leaf_rows
 from steprl_jax.algorithms import dapo, grpo, portool
 from steprl_jax.ops.advantages import tree_advantages
 from steprl_jax.training.pack import pack

@@ -15,7 +15,8 @@ import numpy as np
 
 from steprl_jax.agents.formats import format_cap
 from steprl_jax.agents.records import TreeRecord
-from steprl_jax.agents.tree_batch import fm_score, leaf_rows
+from steprl_jax.agents.tree_batch import fm_score
+from steprl_jax.algorithms.tree_rows import leaf_rows
 from steprl_jax.algorithms.rl import Algorithm, policy_temperature
 from steprl_jax.training.config import LossConfig
 

@@ -45,9 +45,10 @@ from tqdm import tqdm
 
 from steprl_jax.agents.records import TreeRecord
 from steprl_jax.agents.tasks import build_suite
-from steprl_jax.agents.tree_batch import LOSS_AGGS, WEIGHTINGS, judged_tree
+from steprl_jax.agents.tree_batch import judged_tree
 from steprl_jax.algorithms.offline import copy_model, export_policy, items_at, train_on_rows
 from steprl_jax.algorithms.rl import Algorithm, get_algorithm
+from steprl_jax.algorithms.tree_rows import LOSS_AGGS, WEIGHTINGS
 from steprl_jax.algorithms.workdir import check_manifest
 from steprl_jax.evaluation.metrics import episode_terms, write_json_atomic, write_text_atomic
 from steprl_jax.training import (Checkpointer, OptimizerConfig, TrainStepConfig, create_train_state, lr_schedule,
@@ -389,8 +390,7 @@ class OnlineLoop:
 
 
 def _key_list(key) -> list:
-    return [int(x) for x in np.asarray(jax.random.key_data(key) if hasattr(jax.random, "key_data")
-                                       and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) else key)]
+    return [int(x) for x in np.asarray(key)]  # a raw uint32 PRNGKey
 
 
 def batch_metrics(result: IterationResult, generated_tokens_total: int) -> dict:

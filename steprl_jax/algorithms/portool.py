@@ -13,11 +13,11 @@ from __future__ import annotations
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from steprl_jax.agents.records import TreeRecord
-from steprl_jax.agents.tree_batch import leaf_rows, tree_arrays
+from steprl_jax.agents.tree_batch import tree_arrays
+from steprl_jax.algorithms.tree_rows import leaf_rows
 from steprl_jax.algorithms.rl import Algorithm, policy_temperature
 from steprl_jax.ops.advantages import tree_advantages
 from steprl_jax.training.config import LossConfig
