@@ -120,6 +120,9 @@ def _tagged_env(config, search_index, examples=()) -> TaggedEnv:
     return TaggedEnv(registry, invalid_action=config.env.invalid_action, examples=examples)
 
 
+TRAIN_POOL = 1024  # tool-world training queries a held-out split never shares a question with
+
+
 def toolworld_queries(config, split: str | None = None):
     """(world, queries) behind the tool-world suite of `config` (`split`: see `split_config`):
     the queries are those of `build_suite(config, split).tasks`, in order, with their reference
@@ -136,7 +139,10 @@ def _toolworld_data(config):
 
     world = generate_world(int(config.task.world_seed))
     n = int(config.task.offset) + int(config.task.num_tasks or 64)
-    splits = make_splits(int(config.task.world_seed), n, n, seed=int(config.seed))
+    # The test split excludes every question of a fixed train pool, whatever this split's size:
+    # question texts repeat across contexts, and a test set sized by its own count would exclude
+    # only that many train questions (21 of 64 test questions were train questions 65-1024).
+    splits = make_splits(int(config.task.world_seed), max(n, TRAIN_POOL), n, seed=int(config.seed))
     if config.task.split not in splits:
         raise ValueError(f"config.task.split: {config.task.split!r} is not one of {sorted(splits)}")
     return world, splits, _select(splits[config.task.split], config)
