@@ -34,5 +34,6 @@ setup(
         "test": ["pytest>=8", "hypothesis>=6.100", "torch==2.13.0", "accelerate>=1.0"],
         "tpu": ["jax[tpu]>=0.7,<0.11"],
         "gpu": ["jax[cuda12]>=0.7,<0.11"],
+        "bench": ["torch==2.13.0", "trl>=1.16,<2"],
     },
 )
