@@ -111,3 +111,12 @@ def test_bad_rl_config_names_the_field(tmp_path, field, value, message):
     target[key] = value
     with pytest.raises(ValueError, match=message):
         online.check_config(c)
+
+
+def test_held_out_questions_are_never_training_questions(tmp_path):
+    c = tiny_rl_config(tmp_path)
+    c.task.num_tasks = 300
+    c.task.eval_num_tasks = 16  # a small test split must still avoid the larger training set
+    train = {t.question for t in build_suite(c, split="train").tasks}
+    test = build_suite(c, split="test").tasks
+    assert len(test) == 16 and not train & {t.question for t in test}
