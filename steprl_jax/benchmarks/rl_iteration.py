@@ -26,9 +26,11 @@ T-th is the last) with `max_completion_length=T`. Both sides' completion lengths
   Split: generate (prefill + fork + decode), reward, rows (advantages + Row objects), pack,
   train (the jitted step, metrics fetched), push.
 * TRL: `GRPOTrainer` (its own transformers generation, `use_vllm=False`) with
-  `num_generations=samples`, `per_device_train_batch_size=queries x samples`,
-  `gradient_accumulation_steps=1` (so `generation_batch_size` = that, `steps_per_generation=1`:
-  one generation of all completions and one optimizer step per trainer step), `beta=0`,
+  `num_generations=samples`, `gradient_accumulation_steps=M` (`--trl-microbatches`, default 4)
+  and `per_device_train_batch_size=queries x samples / M`, so `steps_per_generation=M` and
+  `generation_batch_size=queries x samples`: one generation of all the completions, then M
+  forward/backward micro-batches and one optimizer step per trainer step (the importance ratio
+  needs no extra forward: generation and optimizer steps are aligned), `beta=0`,
   `loss_type="grpo"`, `scale_rewards="group"`, `gradient_checkpointing=False` (its default is
   True; off is faster at this size), no logging or saving. One trainer step = one iteration, timed
   from `on_step_begin` to `on_step_end` by a TrainerCallback; its split comes from a subclass
@@ -212,7 +214,7 @@ def trl_child(spec_path: str) -> None:
 
     torch.manual_seed(spec["seed"])
     bf16 = spec["dtype"] == "bfloat16"
-    Q, G, T = spec["queries"], spec["samples"], spec["max_new_tokens"]
+    Q, G, T, M = spec["queries"], spec["samples"], spec["max_new_tokens"], spec["microbatches"]
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.bfloat16 if bf16 else torch.float32)
     threads, probe = spec["threads"], {}
@@ -265,7 +267,7 @@ def trl_child(spec_path: str) -> None:
     timer, lengths = StepTimer(), []
     config = GRPOConfig(
         output_dir=spec["output_dir"], num_generations=G, max_completion_length=T,
-        per_device_train_batch_size=Q * G, gradient_accumulation_steps=1, num_iterations=1, beta=0.0,
+        per_device_train_batch_size=Q * G // M, gradient_accumulation_steps=M, num_iterations=1, beta=0.0,
         loss_type="grpo", scale_rewards="group", epsilon=0.2, learning_rate=1e-6, weight_decay=0.0,
         max_grad_norm=1.0, temperature=1.0, top_p=1.0, top_k=0, generation_kwargs={"min_new_tokens": T},
         use_vllm=False, bf16=bf16, use_cpu=True, gradient_checkpointing=False, disable_dropout=True,
@@ -278,6 +280,8 @@ def trl_child(spec_path: str) -> None:
            "prompt_ids": [list(map(int, p)) for p in prompt_ids], "completion_tokens": [min(lengths), max(lengths)],
            "thread_probe_s": probe,
            "generation_batch_size": config.generation_batch_size, "steps_per_generation": config.steps_per_generation,
+           "per_device_train_batch_size": config.per_device_train_batch_size,
+           "gradient_accumulation_steps": config.gradient_accumulation_steps,
            "threads": torch.get_num_threads(), "versions": _versions("trl", "torch", "transformers", "accelerate")}
     with open(spec["result"], "w") as f:
         json.dump(out, f)
@@ -307,7 +311,7 @@ def torch_threads(model, tokenizer, n_cores: int) -> tuple[int, dict]:
 def trl(a, dtype: str, qs: list[str], model_dir: str, tmp: str) -> dict:
     spec = {"model_dir": model_dir, "dtype": dtype, "queries": a.queries, "samples": a.samples,
             "max_new_tokens": a.max_new_tokens, "iterations": a.iterations, "seed": a.seed, "questions": qs,
-            "threads": a.torch_threads, "output_dir": os.path.join(tmp, f"trl_{dtype}"),
+            "threads": a.torch_threads, "microbatches": a.trl_microbatches, "output_dir": os.path.join(tmp, f"trl_{dtype}"),
             "result": os.path.join(tmp, f"trl_{dtype}.json")}
     spec_path = os.path.join(tmp, f"trl_{dtype}.spec.json")
     with open(spec_path, "w") as f:
@@ -367,7 +371,9 @@ def report_grpo(a, host: dict, qs: list[str], results: list[dict]) -> dict:
         v = theirs[0]["versions"]
         print(f"TRL {v['trl']} (torch {v['torch']}, transformers {v['transformers']}), GRPOTrainer, "
               f"generation_batch_size {theirs[0]['generation_batch_size']}, steps_per_generation "
-              f"{theirs[0]['steps_per_generation']}, torch threads: "
+              f"{theirs[0]['steps_per_generation']}, per_device_train_batch_size "
+              f"{theirs[0]['per_device_train_batch_size']} x gradient_accumulation_steps "
+              f"{theirs[0]['gradient_accumulation_steps']}, torch threads: "
               + ", ".join(f"{t['dtype']} {t['threads']}" + (" (probe " + ", ".join(
                   f"{n} threads {s:.1f} s" for n, s in t["thread_probe_s"].items()) + ")"
                   if t["thread_probe_s"] else "") for t in theirs))
@@ -581,6 +587,10 @@ def main(argv=None):
     p.add_argument("--trl-dtypes", type=_dtypes, default=None,
                    help="TRL dtypes to run, '' for none (default float32,bfloat16; --quick: float32)")
     p.add_argument("--microbatches", type=int, default=1, help="our train step's micro-batches (rl config: 1)")
+    p.add_argument("--trl-microbatches", type=int, default=None,
+                   help="TRL's gradient-accumulation steps over the queries x samples completions of one "
+                        "generation (default 4, --quick 2): one batch of 64 was killed for memory at ~16 GB "
+                        "on a 23 GB host")
     p.add_argument("--torch-threads", default="auto",
                    help="TRL's torch threads: a number, or auto (the faster of all cores and 1, probed)")
     p.add_argument("--portool-dtype", default="float32", choices=("float32", "bfloat16"))
@@ -598,6 +608,9 @@ def main(argv=None):
     a.trl_dtypes = default if a.trl_dtypes is None else a.trl_dtypes
     if min(a.queries, a.max_new_tokens, a.iterations, a.microbatches) < 1 or a.samples < 2:
         p.error("--queries, --max-new-tokens, --iterations, --microbatches must be >= 1 and --samples >= 2")
+    a.trl_microbatches = a.trl_microbatches or (2 if a.quick else 4)
+    if a.trl_microbatches < 1 or (a.queries * a.samples) % a.trl_microbatches:
+        p.error(f"--trl-microbatches must divide queries x samples = {a.queries * a.samples}")
     if a.torch_threads != "auto" and not (a.torch_threads.isdigit() and int(a.torch_threads) >= 1):
         p.error(f"--torch-threads: a number >= 1 or auto, got {a.torch_threads!r}")
     if a.part != "portool" and not a.ours_dtypes:
