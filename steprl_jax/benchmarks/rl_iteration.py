@@ -35,15 +35,18 @@ T-th is the last) with `max_completion_length=T`. Both sides' completion lengths
   True; off is faster at this size), no logging or saving. One trainer step = one iteration, timed
   from `on_step_begin` to `on_step_end` by a TrainerCallback; its split comes from a subclass
   that times `_generate`, `_calculate_rewards` and `_generate_and_score_completions` (train =
-  the rest of the step: loss forward, backward, optimizer). It runs in a child process (its own
-  memory) on the model exported once with `models.export_hf`. Torch threads (`--torch-threads`,
+  the rest of the step: loss forward, backward, optimizer), on the model exported once with
+  `models.export_hf`. Torch threads (`--torch-threads`,
   default auto): the faster of all the cores this process may use and 1, by a short generation
   probe (`torch_threads`): on a machine whose cores other work shares, torch's full OpenMP pool
   can be many times slower than one thread.
 
 Each side runs at each dtype of `--ours-dtypes` / `--trl-dtypes`: ours float32 or bfloat16
 compute (float32 parameters, bf16 matmul operands with float32 accumulation); TRL float32, or
-bfloat16 (model loaded in bf16 and `bf16=True`). The ratio compares each side's fastest dtype,
+bfloat16 (model loaded in bf16 and `bf16=True`). Every (side, dtype) runs in a child process of
+its own, one after the other (TRL, ours, TRL, ours), so each has the machine's memory to itself
+and returns it when done; one that dies (e.g. killed for memory) is reported as failed and the
+rest go on. The ratio compares each side's fastest dtype,
 in iterations per second. Every side runs 1 warm-up iteration (compilation, first allocations),
 then `--iterations` timed ones; the table shows medians. Our timed iterations must compile
 nothing (checked: sampler programs and train-step cache sizes).
@@ -203,10 +206,8 @@ def ours(a, dtype: str, qs: list[str]) -> dict:
 
 
 # ----------------------------------------------------------------------------- part A: TRL
-def trl_child(spec_path: str) -> None:
-    """Child process: TRL's GRPOTrainer on the exported model, warm-up + timed steps -> JSON."""
-    with open(spec_path) as f:
-        spec = json.load(f)
+def trl_child(spec: dict) -> dict:
+    """TRL's GRPOTrainer on the exported model, warm-up + timed steps (in a child process)."""
     import datasets
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -283,8 +284,7 @@ def trl_child(spec_path: str) -> None:
            "per_device_train_batch_size": config.per_device_train_batch_size,
            "gradient_accumulation_steps": config.gradient_accumulation_steps,
            "threads": torch.get_num_threads(), "versions": _versions("trl", "torch", "transformers", "accelerate")}
-    with open(spec["result"], "w") as f:
-        json.dump(out, f)
+    return out
 
 
 def torch_threads(model, tokenizer, n_cores: int) -> tuple[int, dict]:
@@ -308,20 +308,60 @@ def torch_threads(model, tokenizer, n_cores: int) -> tuple[int, dict]:
     return int(min(times, key=times.get)), times
 
 
-def trl(a, dtype: str, qs: list[str], model_dir: str, tmp: str) -> dict:
-    spec = {"model_dir": model_dir, "dtype": dtype, "queries": a.queries, "samples": a.samples,
-            "max_new_tokens": a.max_new_tokens, "iterations": a.iterations, "seed": a.seed, "questions": qs,
-            "threads": a.torch_threads, "microbatches": a.trl_microbatches, "output_dir": os.path.join(tmp, f"trl_{dtype}"),
-            "result": os.path.join(tmp, f"trl_{dtype}.json")}
-    spec_path = os.path.join(tmp, f"trl_{dtype}.spec.json")
+def run_child(kind: str, spec: dict, tmp: str) -> dict:
+    """Run `kind` (a key of CHILDREN) in a child process of its own (its own memory, freed when it
+    ends); its result dict, or {"failed": why} when it died (e.g. killed for memory)."""
+    name = f"{kind}_{spec.get('dtype', '')}"
+    spec = {**spec, "result": os.path.join(tmp, f"{name}.json")}
+    spec_path = os.path.join(tmp, f"{name}.spec.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "steprl_jax.benchmarks.rl_iteration", "--trl-child", spec_path],
-                   check=True, stdout=sys.stderr)
+    proc = subprocess.run([sys.executable, "-m", "steprl_jax.benchmarks.rl_iteration", "--child", kind, spec_path],
+                          stdout=sys.stderr)
+    if proc.returncode != 0:
+        why = (f"killed by signal {-proc.returncode}" + (" (SIGKILL: out of memory?)" if proc.returncode == -9 else "")
+               if proc.returncode < 0 else f"exit status {proc.returncode}")
+        _log(f"{name}: the child process failed: {why}")
+        return {"failed": why, "wall_s": time.perf_counter() - t0}
     with open(spec["result"]) as f:
         out = json.load(f)
     out["wall_s"] = time.perf_counter() - t0
+    return out
+
+
+def _child_main(kind: str, spec_path: str) -> None:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    out = CHILDREN[kind](spec)
+    with open(spec["result"], "w") as f:
+        json.dump(out, f)
+
+
+def _export_child(spec: dict) -> dict:
+    from steprl_jax.models import export_hf, load_pretrained
+
+    model, tokenizer = load_pretrained("smollm2-135m-instruct")
+    return {"model_dir": export_hf(model, tokenizer, spec["model_dir"])}
+
+
+def _ours_child(spec: dict) -> dict:
+    return ours(argparse.Namespace(**spec["args"]), spec["dtype"], spec["questions"])
+
+
+def _portool_child(spec: dict) -> dict:
+    return portool_records(argparse.Namespace(**spec["args"]))
+
+
+def trl(a, dtype: str, qs: list[str], model_dir: str, tmp: str) -> dict:
+    spec = {"model_dir": model_dir, "dtype": dtype, "queries": a.queries, "samples": a.samples,
+            "max_new_tokens": a.max_new_tokens, "iterations": a.iterations, "seed": a.seed, "questions": qs,
+            "threads": a.torch_threads, "microbatches": a.trl_microbatches,
+            "output_dir": os.path.join(tmp, f"trl_{dtype}")}
+    out = run_child("trl", spec, tmp)
+    out.update(side="trl", dtype=dtype)
+    if "failed" in out:
+        return out
     timed = slice(1, None)  # the first step is the warm-up
     steps = out["steps_s"][timed]
     prepare, generate, reward = out["prepare_s"][timed], out["generate_s"][timed], out["reward_s"][timed]
@@ -343,25 +383,29 @@ def part_grpo(a, host: dict) -> dict:
             if importlib.util.find_spec("trl") is None:
                 raise SystemExit("the TRL reference needs trl: pip install -e '.[bench]' (or run ours only with "
                                  "--trl-dtypes '')")
-            from steprl_jax.models import export_hf, load_pretrained
-
-            model, tokenizer = load_pretrained("smollm2-135m-instruct")
-            model_dir = export_hf(model, tokenizer, os.path.join(tmp, "smollm2"))
-            del model
+            exported = run_child("export", {"model_dir": os.path.join(tmp, "smollm2")}, tmp)
+            if "failed" in exported:
+                raise SystemExit(f"exporting the model failed: {exported['failed']}")
+            model_dir = exported["model_dir"]
         # Alternate the sides (TRL, ours, TRL, ...) so a change of machine load biases neither.
         order = []
         for i in range(max(len(a.trl_dtypes), len(a.ours_dtypes))):
             order += [("trl", d) for d in a.trl_dtypes[i:i + 1]] + [("ours", d) for d in a.ours_dtypes[i:i + 1]]
         for side, dtype in order:
             _log(f"part A: {side} at {dtype}")
-            results.append(trl(a, dtype, qs, model_dir, tmp) if side == "trl" else ours(a, dtype, qs))
+            if side == "trl":
+                results.append(trl(a, dtype, qs, model_dir, tmp))
+            else:
+                out = run_child("ours", {"args": vars(a), "dtype": dtype, "questions": qs}, tmp)
+                results.append({**out, "side": "ours", "dtype": dtype})
     return report_grpo(a, host, qs, results)
 
 
 def report_grpo(a, host: dict, qs: list[str], results: list[dict]) -> dict:
     Q, G, T = a.queries, a.samples, a.max_new_tokens
-    mine = [r for r in results if r["side"] == "ours"]
-    theirs = [r for r in results if r["side"] == "trl"]
+    failed = [r for r in results if "failed" in r]
+    mine = [r for r in results if r["side"] == "ours" and "failed" not in r]
+    theirs = [r for r in results if r["side"] == "trl" and "failed" not in r]
     print(f"Part A: one GRPO iteration, SmolLM2-135M-Instruct, {Q} queries x {G} samples x {T} new tokens "
           f"(forced), digit-share reward, group z-score, one AdamW step on {Q * G} completions, no KL")
     print(f"host: {host['cpu']}, {host['cores']} cores, amx_bf16 {'yes' if host['amx_bf16'] else 'no'}, "
@@ -382,6 +426,10 @@ def report_grpo(a, host: dict, qs: list[str], results: list[dict]) -> dict:
           "| pack s | train s | push s | completion tokens |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
+        if "failed" in r:
+            print(f"| {'steprl_jax' if r['side'] == 'ours' else 'TRL'} | {r['dtype']} | failed: {r['failed']} "
+                  f"| | | | | | | | |")
+            continue
         m = r["median"]
         lo, hi = r["completion_tokens"]
         n = len(r["iterations"]) - 1 if r["side"] == "ours" else len(r["steps_s"]) - 1
@@ -418,6 +466,7 @@ def report_grpo(a, host: dict, qs: list[str], results: list[dict]) -> dict:
               f"{int(r['iterations'][-1]['attended_tokens'])} attended tokens")
     for t in theirs:
         print(f"TRL {t['dtype']}: warm-up step {t['steps_s'][0]:.1f} s; child process wall {t['wall_s']:.0f} s")
+    out["failed"] = [{"side": r["side"], "dtype": r["dtype"], "failed": r["failed"]} for r in failed]
     for r in results:
         r.pop("prompt_ids", None)
     return out
@@ -425,6 +474,16 @@ def report_grpo(a, host: dict, qs: list[str], results: list[dict]) -> dict:
 
 # ----------------------------------------------------------------------------- part B: PORTool
 def part_portool(a, host: dict) -> dict:
+    with tempfile.TemporaryDirectory(prefix="rl_iteration_") as tmp:
+        out = run_child("portool", {"args": vars(a)}, tmp)
+    if "failed" in out:
+        print(f"\nPart B: PORTool iteration failed: {out['failed']}")
+        return out
+    return report_portool(a, out)
+
+
+def portool_records(a) -> dict:
+    """Two PORTool iterations of the online loop (in a child process): config and records."""
     from configs import portool_toolworld
     from steprl_jax.algorithms.online import OnlineLoop, batch_metrics
     from steprl_jax.algorithms.rl import get_algorithm
@@ -492,11 +551,20 @@ def part_portool(a, host: dict) -> dict:
                      f"(rollout {rec['rollout_s']:.1f}, train {rec['train_s']:.1f})")
         finally:
             loop.close()
+    return {"dtype": a.portool_dtype, "config": {"num_tasks": c.task.num_tasks, "queries": c.rl.queries_per_iteration,
+                                                  "n": c.rollout.tree.n, "f": c.rollout.tree.f,
+                                                  "max_new_tokens": c.rollout.max_new_tokens,
+                                                  "max_steps": c.rollout.max_steps},
+            "iterations": records, "timed": records[-1]}
+
+
+def report_portool(a, out: dict) -> dict:
+    c, records = out["config"], out["iterations"]
     r = records[-1]
     print()
-    print(f"Part B: one PORTool iteration (configs/portool_toolworld.py, {a.portool_dtype}: {c.task.num_tasks} tasks, "
-          f"{c.rl.queries_per_iteration} queries x tree n={c.rollout.tree.n} (f={c.rollout.tree.f}), "
-          f"{c.rollout.max_new_tokens} new tokens per action, {c.rollout.max_steps} steps, rule judge), "
+    print(f"Part B: one PORTool iteration (configs/portool_toolworld.py, {a.portool_dtype}: {c['num_tasks']} tasks, "
+          f"{c['queries']} queries x tree n={c['n']} (f={c['f']}), "
+          f"{c['max_new_tokens']} new tokens per action, {c['max_steps']} steps, rule judge), "
           f"the second of 2 iterations (the first compiles)")
     print()
     print("| iteration | rollout s | judge s | build s | pack+push s | train s | other s | iteration s "
@@ -521,11 +589,7 @@ def part_portool(a, host: dict) -> dict:
     if r["train_shape_compile_s"]:
         print(f"its train-step shape was new: compiled beforehand on a throwaway copy of the state "
               f"({r['train_shape_compile_s']:.1f} s, not in the table)")
-    return {"dtype": a.portool_dtype, "config": {"num_tasks": c.task.num_tasks, "queries": c.rl.queries_per_iteration,
-                                                  "n": c.rollout.tree.n, "f": c.rollout.tree.f,
-                                                  "max_new_tokens": c.rollout.max_new_tokens,
-                                                  "max_steps": c.rollout.max_steps},
-            "iterations": records, "timed": r}
+    return out
 
 
 def _num(x, digits: int) -> str:
@@ -596,10 +660,10 @@ def main(argv=None):
     p.add_argument("--portool-dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="")
-    p.add_argument("--trl-child", default="", help=argparse.SUPPRESS)
+    p.add_argument("--child", nargs=2, metavar=("KIND", "SPEC"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    if a.trl_child:
-        trl_child(a.trl_child)
+    if a.child:
+        _child_main(*a.child)
         return
     if a.quick:
         a.queries, a.samples, a.max_new_tokens = 2, 2, 16
@@ -631,6 +695,9 @@ def main(argv=None):
 
         write_json_atomic(a.json, out)
         print(f"wrote {a.json}")
+
+
+CHILDREN = {"export": _export_child, "ours": _ours_child, "trl": trl_child, "portool": _portool_child}
 
 
 if __name__ == "__main__":
