@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# PORTool against its baselines at CPU scale (SmolLM2-135M-Instruct on the tool world): one SFT
+# warm start on expert demonstrations, then the same budget of rollouts for each method from it,
+# then the paper's table (python -m steprl_jax.evaluation.compare). Every run resumes where it
+# stopped; a finished one is skipped. Usage:
+#   bash launch/portool_compare.sh [ROOT] [METHOD ...]      (default runs/compare; all methods)
+# Extra settings through the environment: OVERRIDES="--config.rl.iterations=4 ..."
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. launch/_env.sh
+export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}
+ROOT=${1:-runs/compare}
+shift || true
+METHODS=("$@")
+[ ${#METHODS[@]} -gt 0 ] || METHODS=(portool grpo dapo arpo grpo_fm arpo_fm)
+# CPU sizes: n = 4 trajectories per query (the paper: 8), 4 queries per iteration, 8 iterations,
+# up to 6 steps of at most 160 new tokens, held-out evaluation of 32 queries before and after.
+CPU=(--config.task.num_tasks=64 --config.rollout.tree.n=4 --config.rollout.max_new_tokens=160
+     --config.rollout.temperature=1.0 --config.rl.iterations=8 --config.rl.queries_per_iteration=4
+     --config.rl.eval_every=8 --config.rl.eval.num_tasks=32 --config.optimizer.learning_rate=5e-6)
+WARM=$ROOT/warm_start
+if [ ! -d "$WARM/policy/sft" ]; then
+  # zero RL iterations: the SFT warm start and its held-out evaluation (iteration 0) only
+  python -m steprl_jax.main --config=configs/portool_toolworld.py --config.workdir="$WARM" "${CPU[@]}" \
+    --config.rl.iterations=0 --config.rl.warm_start.updates=16 --config.rl.warm_start.learning_rate=5e-5 ${OVERRIDES:-}
+fi
+for method in "${METHODS[@]}"; do
+  python -m steprl_jax.main --config=configs/portool_toolworld.py --config.algorithm="$method" \
+    --config.workdir="$ROOT/$method" --config.rl.warm_start.source="$WARM/policy/sft" "${CPU[@]}" ${OVERRIDES:-}
+done
+python -m steprl_jax.evaluation.compare "${METHODS[@]/#/$ROOT/}" --out "$ROOT/comparison"
