@@ -165,7 +165,8 @@ def test_token_means_over_several_queries_are_exact_under_any_micro_batch_split(
         trajectories = []
         for record in trees:
             for leaf in record.leaves():
-                toks = [-(adv_of[n] + len(record.id)) for n in record.path(leaf) for _ in record.nodes[n].step.action_ids]
+                path = record.path(leaf)
+                toks = [-(adv_of[n] + len(record.id)) for n in path for _ in record.nodes[n].step.action_ids]
                 trajectories.append(np.mean(toks))
         ref = np.mean(trajectories)
     results = []

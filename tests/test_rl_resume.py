@@ -9,15 +9,14 @@ between the processes through JAX's persistent compilation cache (same programs,
 """
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from resume_helpers import checkpoint_steps, logged_metrics, straight_killed_resumed
 from rl_helpers import VerdictServer
 from steprl_jax.models import export_hf
 from swirl_helpers import smol_tokenizer, tiny_model
@@ -54,21 +53,6 @@ def _command(algorithm, model_dir, workdir, base_url):
             "--config.judge.outcome.retries=0"]
 
 
-def _checkpoints(workdir) -> list:
-    folder = os.path.join(workdir, "checkpoints", "rl")
-    return sorted(int(n) for n in os.listdir(folder) if n.isdigit()) if os.path.isdir(folder) else []
-
-
-def _metrics(workdir) -> dict:
-    rows = {}
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        for line in f:
-            row = json.loads(line)
-            rows[row["step"]] = {k: v for k, v in row.items()
-                                 if k not in ("time", "tokens_per_s") and not k.endswith("_s")}
-    return rows
-
-
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_trains_end_to_end_and_resumes_bit_identically_after_sigkill(algorithm, setup, tmp_path):
     stub, model_dir, env = setup
@@ -79,28 +63,13 @@ def test_trains_end_to_end_and_resumes_bit_identically_after_sigkill(algorithm, 
         return subprocess.Popen(_command(algorithm, model_dir, workdir, stub.base_url), cwd=ROOT, env=env,
                                 stdout=logs[name], stderr=subprocess.STDOUT)
 
-    straight = start("straight", workdirs["straight"])  # side by side with the interrupted one
-    killed = start("killed", workdirs["killed"])
-    resumed = None
     try:
-        deadline = time.time() + 400
-        while not _checkpoints(workdirs["killed"]) and killed.poll() is None and time.time() < deadline:
-            time.sleep(0.01)
-        assert killed.poll() is None, "the run did not stay alive until its first checkpoint: " + \
-            (tmp_path / "killed.log").read_text()[-3000:]
-        killed.send_signal(signal.SIGKILL)
-        killed.wait()
-        left = _checkpoints(workdirs["killed"])
-        assert left == [1], left  # interrupted after the first iteration's checkpoint
-        resumed = start("resumed", workdirs["killed"])
-        assert straight.wait(timeout=400) == 0, (tmp_path / "straight.log").read_text()[-3000:]
-        assert resumed.wait(timeout=400) == 0, (tmp_path / "resumed.log").read_text()[-3000:]
+        left = straight_killed_resumed(start, lambda w: checkpoint_steps(w, "rl"), workdirs,
+                                       lambda name: (tmp_path / f"{name}.log").read_text())
     finally:
-        for proc in (straight, killed, resumed):
-            if proc is not None and proc.poll() is None:
-                proc.kill()
         for f in logs.values():
             f.close()
+    assert left == [1], left  # interrupted after the first iteration's checkpoint
     assert "rl: resumed at iteration 1" in (tmp_path / "resumed.log").read_text()
 
     # end to end: evaluations before and after, records per iteration, TensorBoard, the export
@@ -117,7 +86,8 @@ def test_trains_end_to_end_and_resumes_bit_identically_after_sigkill(algorithm, 
         trees = [json.loads(line) for line in f]
     assert len(trees) >= 2 and all(len([n for n in t["leaf_terminations"]]) == 4 for t in trees)
 
-    straight_rows, resumed_rows = _metrics(w), _metrics(workdirs["killed"])
+    skip = ("time", "tokens_per_s")
+    straight_rows, resumed_rows = logged_metrics(w, skip), logged_metrics(workdirs["killed"], skip)
     assert sorted(straight_rows) == sorted(resumed_rows) == list(range(1, ITERATIONS + 1))
     for row in straight_rows.values():  # the first update after sampling: the trainer agrees with the sampler
         assert row["first_ratio"] == pytest.approx(1.0, abs=1e-5) and row["first_clipfrac"] == 0.0

@@ -5,12 +5,9 @@ The policy is a tiny random model exported with `export_hf` (the processes load 
 reward model is a stub endpoint on 127.0.0.1 whose graded score is a hash of the request, so the
 rewards are the same in every process and the advantages are not all zero.
 """
-import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -19,6 +16,7 @@ from safetensors.numpy import load_file
 from steprl_jax.algorithms import swirl
 from steprl_jax.data.units import write_units
 from steprl_jax.models import export_hf
+from resume_helpers import checkpoint_steps, logged_metrics, straight_killed_resumed
 from swirl_helpers import RewardServer, hand_units, smol_tokenizer, tiny_config, tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,20 +54,6 @@ def _command(config_path, model_dir, workdir, base_url):
             "--config.optimizer.learning_rate=0.001", "--config.progress=False"]
 
 
-def _checkpoints(workdir) -> list:
-    folder = os.path.join(workdir, "checkpoints", "swirl")
-    return sorted(int(n) for n in os.listdir(folder) if n.isdigit()) if os.path.isdir(folder) else []
-
-
-def _metrics(workdir) -> dict:
-    rows = {}
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        for line in f:
-            row = json.loads(line)
-            rows[row["step"]] = {k: v for k, v in row.items() if k != "time" and not k.endswith("_s")}
-    return rows
-
-
 def test_killed_stage2_resumes_bit_identically(tmp_path, server):
     tokenizer = smol_tokenizer()
     model_dir = export_hf(tiny_model(tokenizer, seed=11), tokenizer, str(tmp_path / "model"))
@@ -86,29 +70,16 @@ def test_killed_stage2_resumes_bit_identically(tmp_path, server):
         return subprocess.Popen(_command(config_path, model_dir, workdir, server.base_url), cwd=ROOT, env=env,
                                 stdout=logs[name], stderr=subprocess.STDOUT)
 
-    straight = start("straight", workdirs["straight"])  # side by side with the interrupted one
-    killed = start("killed", workdirs["killed"])
-    resumed = None
     try:
-        deadline = time.time() + 400
-        while not _checkpoints(workdirs["killed"]) and killed.poll() is None and time.time() < deadline:
-            time.sleep(0.01)
-        assert killed.poll() is None, "the run did not stay alive until its first checkpoint: " + \
-            (tmp_path / "killed.log").read_text()[-3000:]
-        killed.send_signal(signal.SIGKILL)
-        killed.wait()
-        left = _checkpoints(workdirs["killed"])
-        assert left and max(left) < UPDATES, left  # interrupted after a checkpoint, before the end
-        assert not os.path.exists(os.path.join(workdirs["killed"], "policy", "swirl"))
-        resumed = start("resumed", workdirs["killed"])
-        assert straight.wait(timeout=400) == 0, (tmp_path / "straight.log").read_text()[-3000:]
-        assert resumed.wait(timeout=400) == 0, (tmp_path / "resumed.log").read_text()[-3000:]
+        left = straight_killed_resumed(
+            start, lambda w: checkpoint_steps(w, "swirl"), workdirs,
+            lambda name: (tmp_path / f"{name}.log").read_text(),
+            after_kill=lambda w: not os.path.exists(os.path.join(w, "policy", "swirl"))
+            or pytest.fail("exported early"))
     finally:
-        for proc in (straight, killed, resumed):
-            if proc is not None and proc.poll() is None:
-                proc.kill()
         for f in logs.values():
             f.close()
+    assert left and max(left) < UPDATES, left  # interrupted after a checkpoint, before the end
     assert f"swirl: resumed at update {max(left)}" in (tmp_path / "resumed.log").read_text()
 
     final = {name: load_file(os.path.join(w, "policy", "swirl", "model.safetensors")) for name, w in workdirs.items()}
@@ -119,6 +90,6 @@ def test_killed_stage2_resumes_bit_identically(tmp_path, server):
               or final["straight"][k].tobytes() != final["killed"][k].tobytes()]
     assert not differ, f"resumed parameters differ from the uninterrupted run's in {differ}"
     # and so does everything logged after the resume point (rewards, losses, ratios)
-    straight_rows, resumed_rows = _metrics(workdirs["straight"]), _metrics(workdirs["killed"])
+    straight_rows, resumed_rows = logged_metrics(workdirs["straight"]), logged_metrics(workdirs["killed"])
     assert sorted(straight_rows) == sorted(resumed_rows) == list(range(1, UPDATES + 1))
     assert all(straight_rows[s] == resumed_rows[s] for s in straight_rows)

@@ -37,7 +37,8 @@ def response_tokens(record: TreeRecord, leaf: int) -> int:
 
 
 def _reward(record, leaf, config) -> float:
-    penalty = overlong_penalty(response_tokens(record, leaf), max_response_tokens(config), int(config.rl.dapo.overlong_cache))
+    penalty = overlong_penalty(response_tokens(record, leaf), max_response_tokens(config),
+                               int(config.rl.dapo.overlong_cache))
     return outcome_reward(record, leaf) + penalty
 
 

@@ -73,7 +73,8 @@ def check_config(config) -> Algorithm:
         if rl[section].agg not in LOSS_AGGS:
             raise ValueError(f"config.rl.{section}.agg: {rl[section].agg!r} is not one of {LOSS_AGGS}")
     if rl.portool.token_weighting not in WEIGHTINGS:
-        raise ValueError(f"config.rl.portool.token_weighting: {rl.portool.token_weighting!r} is not one of {WEIGHTINGS}")
+        raise ValueError(f"config.rl.portool.token_weighting: {rl.portool.token_weighting!r} is not one of "
+                         f"{WEIGHTINGS}")
     if config.env.format != "tool_call":
         raise ValueError(f"config.env.format: online RL runs the tool_call format (R_fm, response_gen); "
                          f"got {config.env.format!r}")
