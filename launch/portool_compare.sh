@@ -14,10 +14,13 @@ shift || true
 METHODS=("$@")
 [ ${#METHODS[@]} -gt 0 ] || METHODS=(portool grpo dapo arpo grpo_fm arpo_fm)
 # CPU sizes: n = 4 trajectories per query (the paper: 8), 4 queries per iteration, 8 iterations,
-# up to 6 steps of at most 160 new tokens, held-out evaluation of 32 queries before and after.
+# up to 6 steps of at most 160 new tokens, held-out evaluation of 32 queries before and after;
+# packed rows of at most 4096 tokens (attention scores grow with the square of a row: a run with
+# 8192-token rows was killed for memory beside another job on a 24 GiB host).
 CPU=(--config.task.num_tasks=64 --config.rollout.tree.n=4 --config.rollout.max_new_tokens=160
      --config.rollout.temperature=1.0 --config.rl.iterations=8 --config.rl.queries_per_iteration=4
-     --config.rl.eval_every=8 --config.rl.eval.num_tasks=32 --config.optimizer.learning_rate=5e-6)
+     --config.rl.eval_every=8 --config.rl.eval.num_tasks=32 --config.optimizer.learning_rate=5e-6
+     --config.rl.max_row_tokens=4096)
 WARM=$ROOT/warm_start
 if [ ! -d "$WARM/policy/sft" ]; then
   # zero RL iterations: the SFT warm start and its held-out evaluation (iteration 0) only
