@@ -35,14 +35,12 @@ def outcome_reward(record: TreeRecord, leaf: int) -> float:
 
 
 def group_advantages(rewards: Sequence[Sequence[float]], ddof: int, eps: float = 1e-6) -> list[np.ndarray]:
-    """Per group (query), the z-score of its members' rewards with the `ops.advantages` kernel."""
-    import jax.numpy as jnp
+    """Per group (query), the z-score of its members' rewards (the shared `swirl.group_advantages`)."""
+    from steprl_jax.algorithms.swirl import group_advantages as flat_group_advantages
 
-    from steprl_jax.ops.advantages import group_zscore
-
-    flat = np.asarray([r for group in rewards for r in group], np.float32)
-    ids = np.asarray([g for g, group in enumerate(rewards) for _ in group], np.int32)
-    adv = np.asarray(group_zscore(jnp.asarray(flat), jnp.asarray(ids), len(rewards), eps=eps, ddof=ddof))
+    flat = [r for group in rewards for r in group]
+    ids = [g for g, group in enumerate(rewards) for _ in group]
+    adv = flat_group_advantages(flat, ids, len(rewards), kind="zscore", eps=eps, ddof=ddof)
     out, start = [], 0
     for group in rewards:
         out.append(adv[start:start + len(group)])

@@ -71,6 +71,16 @@ def batch_items(items: Sequence[Any], batch_size: int, update: int, seed: int) -
     return items_at(items, update * batch_size, batch_size, seed)
 
 
+def optimizer_config(config, total_steps: int, learning_rate: Optional[float] = None) -> OptimizerConfig:
+    """`config.optimizer` for a run of `total_steps` train steps (warm-up capped to fit);
+    `learning_rate` overrides its learning rate (e.g. the SFT warm start's)."""
+    o = config.optimizer
+    lr = float(o.learning_rate if learning_rate is None else learning_rate)
+    return OptimizerConfig(learning_rate=lr, warmup_steps=min(int(o.warmup_steps), max(0, total_steps - 1)),
+                           total_steps=max(1, total_steps), end_lr_ratio=float(o.end_lr_ratio),
+                           weight_decay=float(o.weight_decay), max_grad_norm=float(o.max_grad_norm) or None)
+
+
 def update_key(seed: int, update: int):
     return jax.random.fold_in(jax.random.PRNGKey(seed), update)
 

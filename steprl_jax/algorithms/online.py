@@ -46,12 +46,12 @@ from tqdm import tqdm
 from steprl_jax.agents.records import TreeRecord
 from steprl_jax.agents.tasks import build_suite
 from steprl_jax.agents.tree_batch import judged_tree
-from steprl_jax.algorithms.offline import copy_model, export_policy, items_at, train_on_rows
+from steprl_jax.algorithms.offline import copy_model, export_policy, items_at, optimizer_config, train_on_rows
 from steprl_jax.algorithms.rl import Algorithm, get_algorithm
 from steprl_jax.algorithms.tree_rows import LOSS_AGGS, WEIGHTINGS
 from steprl_jax.algorithms.workdir import check_manifest
 from steprl_jax.evaluation.metrics import episode_terms, write_json_atomic, write_text_atomic
-from steprl_jax.training import (Checkpointer, OptimizerConfig, TrainStepConfig, create_train_state, lr_schedule,
+from steprl_jax.training import (Checkpointer, TrainStepConfig, create_train_state, lr_schedule,
                                  make_logprob_fn, make_optimizer, make_train_step)
 from steprl_jax.training.metrics_log import MetricsLog
 from steprl_jax.training.state import split_model
@@ -79,14 +79,6 @@ def check_config(config) -> Algorithm:
         raise ValueError(f"config.env.format: online RL runs the tool_call format (R_fm, response_gen); "
                          f"got {config.env.format!r}")
     return algorithm
-
-
-def _optimizer(config, total_steps: int, learning_rate: Optional[float] = None) -> OptimizerConfig:
-    o = config.optimizer
-    return OptimizerConfig(learning_rate=float(learning_rate if learning_rate is not None else o.learning_rate),
-                           warmup_steps=min(int(o.warmup_steps), max(0, total_steps - 1)),
-                           total_steps=max(1, total_steps), end_lr_ratio=float(o.end_lr_ratio),
-                           weight_decay=float(o.weight_decay), max_grad_norm=float(o.max_grad_norm) or None)
 
 
 def _path(config, *parts) -> str:
@@ -149,7 +141,7 @@ def warm_start(config, model, tokenizer):
         # One system prompt and tool list for every query: computed once per packed row.
         build = lambda items, update, policy: (share_prefix(list(items), int(w.max_row_tokens) or None), {})
         spec = OfflineSpec("sft", rows, build, sft_lib.LOSS,
-                           _optimizer(config, int(w.updates), float(w.learning_rate)),
+                           optimizer_config(config, int(w.updates), float(w.learning_rate)),
                            batch_size=int(w.batch_size), updates=int(w.updates),
                            num_microbatches=int(w.num_microbatches), save_every=max(1, int(w.updates)))
         graphdef, state = train_offline(spec, model, workdir=config.workdir, seed=int(config.seed),
@@ -185,7 +177,7 @@ class OnlineLoop:
                                     dataclasses.replace(rollout_config(config), with_entropy=True), seed=self.seed)
         self.loss = algorithm.loss(config)
         steps = int(self.rl.iterations) * int(self.rl.ppo_epochs) * int(self.rl.minibatches)
-        self.optimizer = _optimizer(config, steps)
+        self.optimizer = optimizer_config(config, steps)
         tx = make_optimizer(self.optimizer)
         self.graphdef, self.state, _ = create_train_state(copy_model(*split_model(model)), tx, seed=self.seed)
         self.ckpt = Checkpointer(_path(config, "checkpoints", "rl"), max_to_keep=2)
@@ -243,7 +235,7 @@ class OnlineLoop:
                 t0 = time.perf_counter()
                 result = self.collect(it, cursor)
                 cursor = result.cursor
-                metrics = batch_metrics(result, self.engine.stats.generated_tokens)
+                metrics = batch_metrics(result)
                 metrics.update(self.train(result.kept))
                 metrics["iteration_s"] = time.perf_counter() - t0
                 self._write_records(it, result.trees)
@@ -271,7 +263,6 @@ class OnlineLoop:
         rounds = int(self.rl.dapo.max_sampling_rounds) if self.algorithm.keep is not None else 1
         counts = collections.Counter()
         trees, kept = [], []
-        timings = collections.Counter()
         for round_ in range(rounds):
             need = want - len(kept)
             if need <= 0:
@@ -282,8 +273,8 @@ class OnlineLoop:
             batch = self.rollout(tasks, iteration, round_)
             t1 = time.perf_counter()
             self.judge(batch)
-            timings["rollout_s"] += t1 - t0
-            timings["judge_s"] += time.perf_counter() - t1
+            counts["rollout_s"] += t1 - t0
+            counts["judge_s"] += time.perf_counter() - t1
             counts["sampling_rounds"] += 1
             for tree in batch:
                 trees.append(tree)
@@ -297,7 +288,6 @@ class OnlineLoop:
                     counts["groups_dropped"] += 1
                 elif len(kept) < want:
                     kept.append(judged)
-        counts.update(timings)
         return IterationResult(trees, kept, cursor, counts)
 
     def rollout(self, tasks: Sequence, iteration: int, round_: int) -> list[TreeRecord]:
@@ -394,7 +384,7 @@ def _key_list(key) -> list:
     return [int(x) for x in np.asarray(key)]  # a raw uint32 PRNGKey
 
 
-def batch_metrics(result: IterationResult, generated_tokens_total: int) -> dict:
+def batch_metrics(result: IterationResult) -> dict:
     """The iteration's batch: mean R_out, accuracy and the paper's metrics over the judged
     trajectories, the sampled-token entropy, counts and where the time went."""
     trajectories = []

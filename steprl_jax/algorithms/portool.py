@@ -10,6 +10,7 @@ agents/tree_batch.py); how a step shared by several trajectories counts is
 """
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import jax
@@ -41,17 +42,13 @@ def tree_step_advantages(trees: Sequence[TreeRecord], config) -> tuple[list[np.n
     return [r[i, :len(x[0])] for i, x in enumerate(arrays)], [a[i, :len(x[0])] for i, x in enumerate(arrays)]
 
 
-_CACHE: dict = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _advantages_fn(gamma, fm_scale, w1, w2, rescale, ddof):
-    key = (gamma, fm_scale, w1, w2, rescale, ddof)
-    if key not in _CACHE:
-        def one(parent, outcome, fm, valid):
-            return tree_advantages(parent, outcome, fm, gamma=gamma, fm_scale=fm_scale, w1=w1, w2=w2,
-                                   rescale_fork_weight=rescale, valid_n=valid, ddof=ddof)
-        _CACHE[key] = jax.jit(jax.vmap(one))
-    return _CACHE[key]
+    """One jitted, vmapped program per setting (a new jit per call would retrace every iteration)."""
+    def one(parent, outcome, fm, valid):
+        return tree_advantages(parent, outcome, fm, gamma=gamma, fm_scale=fm_scale, w1=w1, w2=w2,
+                               rescale_fork_weight=rescale, valid_n=valid, ddof=ddof)
+    return jax.jit(jax.vmap(one))
 
 
 def build(trees: Sequence[TreeRecord], config):

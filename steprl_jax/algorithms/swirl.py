@@ -34,12 +34,12 @@ from tqdm import tqdm
 from steprl_jax.agents.records import RecordStore, Trajectory
 from steprl_jax.agents.tasks import build_suite
 from steprl_jax.algorithms import sft as sft_lib
-from steprl_jax.algorithms.offline import OfflineSpec, export_policy, train_offline, update_key
+from steprl_jax.algorithms.offline import OfflineSpec, export_policy, optimizer_config, train_offline, update_key
 from steprl_jax.algorithms.rl import policy_temperature
 from steprl_jax.algorithms.workdir import check_manifest, clear_stage, mark_stage, stage_done
 from steprl_jax.data.units import Unit, read_units, write_units
 from steprl_jax.evaluation.metrics import write_json_atomic
-from steprl_jax.training import LossConfig, OptimizerConfig
+from steprl_jax.training import LossConfig
 from steprl_jax.training.pack import Row, Span
 
 log = logging.getLogger(__name__)
@@ -279,10 +279,11 @@ def filter_stage(config, model=None, tokenizer=None) -> dict:
 
 # ----------------------------------------------------------------------------- stage 2
 def group_advantages(rewards: Sequence[Optional[float]], group_ids: Sequence[int], num_groups: int,
-                     kind: str = "rloo", scale_by_std: bool = False, eps: float = 1e-6) -> np.ndarray:
+                     kind: str = "rloo", scale_by_std: bool = False, eps: float = 1e-6, ddof: int = 0) -> np.ndarray:
     """Per-sample advantages; samples whose reward failed (None) get 0 and count in no group.
     rloo: r - mean of the group's OTHER samples; zscore: (r - mean) / (std + eps). With
-    `scale_by_std` RLOO is also divided by the group's (population) std."""
+    `scale_by_std` RLOO is also divided by the group's (population) std; `ddof` is the z-score's
+    std convention (ops.advantages)."""
     import jax.numpy as jnp
 
     from steprl_jax.ops.advantages import group_rloo, group_zscore
@@ -291,7 +292,8 @@ def group_advantages(rewards: Sequence[Optional[float]], group_ids: Sequence[int
     r = np.asarray([0.0 if x is None else float(x) for x in rewards], np.float32)
     g = np.asarray(group_ids, np.int32)
     if kind == "zscore":
-        return np.asarray(group_zscore(jnp.asarray(r), jnp.asarray(g), num_groups, valid_n=jnp.asarray(valid), eps=eps))
+        return np.asarray(group_zscore(jnp.asarray(r), jnp.asarray(g), num_groups, valid_n=jnp.asarray(valid), eps=eps,
+                                       ddof=ddof))
     # np.array: a writable copy (np.asarray of a jax array is a read-only view)
     adv = np.array(group_rloo(jnp.asarray(r), jnp.asarray(g), num_groups, valid_n=jnp.asarray(valid)))
     if scale_by_std:
@@ -351,13 +353,6 @@ class Stage2Builder:
         return rows, metrics
 
 
-def _optimizer(config, updates_times_steps: int) -> OptimizerConfig:
-    o = config.optimizer
-    return OptimizerConfig(learning_rate=float(o.learning_rate), warmup_steps=min(int(o.warmup_steps), max(0, updates_times_steps - 1)),
-                           total_steps=max(1, updates_times_steps), end_lr_ratio=float(o.end_lr_ratio),
-                           weight_decay=float(o.weight_decay), max_grad_norm=float(o.max_grad_norm) or None)
-
-
 def train(config, model, tokenizer) -> dict:
     """Stage 2: offline step-wise RL on the filtered units' states."""
     from steprl_jax.judges.rewards import build_reward_model
@@ -374,7 +369,7 @@ def train(config, model, tokenizer) -> dict:
     steps = int(t.updates) * int(t.ppo_epochs) * int(t.minibatches)
     loss = LossConfig(kind="policy", agg=t.agg, eps_low=float(t.eps_low), eps_high=float(t.eps_high),
                       kl_coef=float(t.kl_coef), temperature=policy_temperature(config))
-    spec = OfflineSpec("swirl", units, builder, loss, _optimizer(config, steps), batch_size=int(t.batch_size),
+    spec = OfflineSpec("swirl", units, builder, loss, optimizer_config(config, steps), batch_size=int(t.batch_size),
                        updates=int(t.updates), ppo_epochs=int(t.ppo_epochs), minibatches=int(t.minibatches),
                        num_microbatches=int(t.num_microbatches), save_every=int(t.save_every),
                        min_rows=int(t.batch_size), needs_policy=True)
@@ -402,7 +397,7 @@ def sft(config, model, tokenizer) -> dict:
     groups = sft_lib.group_by_trajectory(read_units(units_path(config)))
     updates = max(1, -(-len(groups) * int(s.epochs) // int(s.batch_size)))
     spec = OfflineSpec("sft", groups, lambda items, update, policy: (sft_lib.sft_rows(items), {}),
-                       sft_lib.LOSS, _optimizer(config, updates), batch_size=int(s.batch_size), updates=updates,
+                       sft_lib.LOSS, optimizer_config(config, updates), batch_size=int(s.batch_size), updates=updates,
                        num_microbatches=int(s.num_microbatches), save_every=int(config.swirl.train.save_every))
     graphdef, state = train_offline(spec, model, workdir=config.workdir, seed=int(config.seed),
                                     progress=bool(config.progress), base_source=config.model.source)

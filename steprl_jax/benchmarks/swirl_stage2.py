@@ -103,7 +103,9 @@ def main(argv=None):
 
     from configs import swirl_arithmetic
     from steprl_jax.algorithms.offline import batch_items, copy_model
-    from steprl_jax.algorithms.swirl import Stage2Builder, _optimizer, policy_temperature
+    from steprl_jax.algorithms.offline import optimizer_config
+    from steprl_jax.algorithms.rl import policy_temperature
+    from steprl_jax.algorithms.swirl import Stage2Builder
     from steprl_jax.judges.rewards import build_reward_model
     from steprl_jax.models import load_pretrained
     from steprl_jax.sampling import Sampler
@@ -140,7 +142,7 @@ def main(argv=None):
     sampler = Sampler(model, tokenizer, max_context=int(config.rollout.max_context))
     reward_model = build_reward_model({"kind": "rule"})
     builder = Stage2Builder(config, sampler, tokenizer, reward_model, suite.env.stop_strings)
-    opt = _optimizer(config, total_updates)
+    opt = optimizer_config(config, total_updates)
     tx = make_optimizer(opt)
     loss_cfg = LossConfig(kind="policy", agg=t.agg, eps_low=float(t.eps_low), eps_high=float(t.eps_high),
                           kl_coef=0.0, temperature=policy_temperature(config))
