@@ -22,12 +22,16 @@ CPU=(--config.task.num_tasks=64 --config.rollout.tree.n=4 --config.rollout.max_n
      --config.rl.eval_every=8 --config.rl.eval.num_tasks=32 --config.optimizer.learning_rate=5e-6
      --config.rl.max_row_tokens=4096)
 WARM=$ROOT/warm_start
-if [ ! -d "$WARM/policy/sft" ]; then
-  # zero RL iterations: the SFT warm start and its held-out evaluation (iteration 0) only
+if [ ! -f "$WARM/eval/iter_00000.metrics.json" ]; then
+  # zero RL iterations: the SFT warm start (reused when policy/sft exists) and its held-out
+  # evaluation (iteration 0), the SFT-only row of the table
   python -m steprl_jax.main --config=configs/portool_toolworld.py --config.workdir="$WARM" "${CPU[@]}" \
     --config.rl.iterations=0 --config.rl.warm_start.updates=16 --config.rl.warm_start.learning_rate=5e-5 ${OVERRIDES:-}
 fi
 for method in "${METHODS[@]}"; do
+  # every method starts from the same policy: its iteration-0 evaluation is the warm start's
+  mkdir -p "$ROOT/$method/eval"
+  for f in "$WARM"/eval/iter_00000.*; do [ -e "$ROOT/$method/eval/${f##*/}" ] || cp "$f" "$ROOT/$method/eval/"; done
   python -m steprl_jax.main --config=configs/portool_toolworld.py --config.algorithm="$method" \
     --config.workdir="$ROOT/$method" --config.rl.warm_start.source="$WARM/policy/sft" "${CPU[@]}" ${OVERRIDES:-}
 done

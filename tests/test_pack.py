@@ -9,7 +9,7 @@ from flax import nnx
 from steprl_jax.models import ModelConfig, Transformer
 from steprl_jax.training.config import LossConfig, TrainStepConfig
 from steprl_jax.training.forward import sequence_logprobs
-from steprl_jax.training.pack import Row, Span, pack, share_prefix
+from steprl_jax.training.pack import Row, Span, cheapest_layout, layout_cost, pack, regroup, share_prefix
 from steprl_jax.training.step import make_loss_and_grad
 
 CFG = ModelConfig.tiny(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -107,3 +107,43 @@ def test_share_prefix_merges_rows_of_one_start_and_keeps_the_loss():
     assert np.array_equal(a.tokens[a.loss_mask > 0], b.tokens[b.loss_mask > 0])
     np.testing.assert_allclose(logps(a)[a.loss_mask > 0], logps(b)[b.loss_mask > 0], rtol=1e-5, atol=1e-5)
     assert share_prefix([rows[0]]) == [rows[0]]  # nothing to share
+
+
+def _fan(prompt_len, branch_lens, seed=0):
+    rng = np.random.default_rng(seed)
+    return Row([Span(rng.integers(1, CFG.vocab_size, prompt_len).tolist())],
+               [[Span(rng.integers(1, CFG.vocab_size, k).tolist(), loss=True, advantage=float(i))]
+                for i, k in enumerate(branch_lens)])
+
+
+def test_regroup_splits_branches_and_keeps_every_loss_token():
+    row = _fan(10, (5, 7, 3, 9))
+    assert [len(r.branches) for r in regroup([row], 0)] == [1, 1, 1, 1]  # one branch per row
+    parts = regroup([row], 25)  # prefix 10 + (1 + branch) each: 6 + 8 | 4 + 10
+    assert [len(r.branches) for r in parts] == [2, 2] and all(len(r) <= 25 for r in parts)
+    assert regroup([row], 10_000) == [row]
+    for layout in (regroup([row], 0), parts):
+        a, b = pack(layout), pack([row])
+        assert np.array_equal(a.tokens[a.loss_mask > 0], b.tokens[b.loss_mask > 0])
+        assert np.array_equal(a.advantages[a.loss_mask > 0], b.advantages[b.loss_mask > 0])
+
+
+def test_cheapest_layout_follows_the_attention_cost():
+    # 8 completions of 95 tokens behind a 100-token prompt: packed, one 868-token row (bucket
+    # 1024); flat, 8 rows of 196 (bucket 256), twice the tokens; in between, 2 rows of 4
+    # branches (484 tokens, bucket 512). Cheap attention: the fewest padded tokens (packed or
+    # 2 x 512); dear attention: 2 x 512, cheaper than both ends.
+    row = _fan(100, [95] * 8)
+    padded = lambda rows: pack(rows).tokens.size
+    assert padded(cheapest_layout([row], attention_length=1e9)) == 1024 == padded([row]) < padded(regroup([row], 0))
+    dear = cheapest_layout([row], attention_length=256)
+    assert [len(r) for r in dear] == [484, 484]
+    cost = lambda rows: layout_cost([len(r) for r in rows], attention_length=256)
+    assert cost(dear) == 2 * 512 * 3 < cost(regroup([row], 0)) == 8 * 256 * 2 < cost([row]) == 1024 * 5
+    # Short actions behind a long shared state: packing wins even when attention is dear.
+    state = _fan(900, [8] * 8)
+    assert cheapest_layout([state], attention_length=256) == [state]
+    # rows without branches pass through; the micro-batch multiple counts padding rows
+    flat = regroup([row], 0)
+    assert cheapest_layout(flat, attention_length=256) == flat
+    assert layout_cost([100] * 3, attention_length=1e9, num_microbatches=4) == 4 * 128 * (1 + 128 / 1e9)

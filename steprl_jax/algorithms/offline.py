@@ -27,7 +27,7 @@ from tqdm import tqdm
 from steprl_jax.training import (Checkpointer, LossConfig, OptimizerConfig, TrainStepConfig, create_train_state,
                                  lr_schedule, make_logprob_fn, make_optimizer, make_train_step)
 from steprl_jax.training.metrics_log import MetricsLog
-from steprl_jax.training.pack import pack
+from steprl_jax.training.pack import cheapest_layout, pack
 from steprl_jax.training.state import merge_model, split_model
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,7 @@ class OfflineSpec:
     max_length: Optional[int] = None
     after_update: Optional[Callable] = None  # (update, params) -> None, e.g. push to a sampler
     needs_policy: bool = False  # build samples from the current parameters (a copy: the step donates them)
+    attention_length: float = 0.0  # > 0: rows regrouped to the cheapest layout (training/pack.py)
 
 
 def items_at(items: Sequence[Any], start: int, count: int, seed: int) -> list:
@@ -148,16 +149,29 @@ def train_offline(spec: OfflineSpec, model, *, workdir: str, seed: int, ref_para
 def _train_update(spec: OfflineSpec, step_fn, logprob_fn, ref_params, state, rows, metrics: dict, t0: float):
     state, train_metrics = train_on_rows(step_fn, state, rows, ppo_epochs=spec.ppo_epochs, minibatches=spec.minibatches,
                                          num_microbatches=spec.num_microbatches, min_rows=spec.min_rows,
-                                         max_length=spec.max_length, logprob_fn=logprob_fn, ref_params=ref_params)
+                                         max_length=spec.max_length, logprob_fn=logprob_fn, ref_params=ref_params,
+                                         attention_length=spec.attention_length)
     metrics.update(train_metrics, update_s=time.perf_counter() - t0)
     return state
 
 
+def pack_rows(rows, *, num_microbatches: int = 1, min_rows: int = 0, max_length: Optional[int] = None,
+              attention_length: float = 0.0):
+    """The train batch of `rows`; with `attention_length` > 0 the rows are first regrouped to the
+    layout of least estimated cost (`pack.cheapest_layout`)."""
+    if attention_length > 0:
+        rows = cheapest_layout(rows, attention_length=attention_length, num_microbatches=num_microbatches,
+                               min_rows=min_rows)
+    return pack(rows, num_microbatches=num_microbatches, min_rows=min_rows, max_length=max_length)
+
+
 def train_on_rows(step_fn, state, rows, *, ppo_epochs: int = 1, minibatches: int = 1, num_microbatches: int = 1,
-                  min_rows: int = 0, max_length: Optional[int] = None, logprob_fn=None, ref_params=None):
-    """Pack `rows` and run ppo_epochs x minibatches train steps; returns (state, metrics). The
-    loop every algorithm shares (offline and online)."""
-    batch = pack(rows, num_microbatches=num_microbatches * minibatches, min_rows=min_rows, max_length=max_length)
+                  min_rows: int = 0, max_length: Optional[int] = None, logprob_fn=None, ref_params=None,
+                  attention_length: float = 0.0):
+    """Pack `rows` (`pack_rows`) and run ppo_epochs x minibatches train steps; returns (state,
+    metrics). The loop every algorithm shares (offline and online)."""
+    batch = pack_rows(rows, num_microbatches=num_microbatches * minibatches, min_rows=min_rows, max_length=max_length,
+                      attention_length=attention_length)
     if logprob_fn is not None:
         batch = batch.replace(ref_logp=logprob_fn(ref_params, state.rest, batch.tokens, batch.attention_mask,
                                                   batch.loss_mask, batch.positions, batch.branch_ids))
@@ -169,7 +183,8 @@ def train_on_rows(step_fn, state, rows, *, ppo_epochs: int = 1, minibatches: int
             step_metrics.append(m)
     step_metrics = jax.device_get(step_metrics)
     metrics = _first_and_mean(step_metrics)
-    metrics.update(train_s=time.perf_counter() - t1, rows=len(rows), tokens=float(np.sum(batch.attention_mask)),
+    metrics.update(train_s=time.perf_counter() - t1, rows=int(np.sum(np.any(batch.attention_mask, axis=1))),
+                   row_length=float(batch.tokens.shape[1]), tokens=float(np.sum(batch.attention_mask)),
                    trained_tokens=float(np.sum(batch.loss_mask > 0)), padded_tokens=float(batch.tokens.size))
     return state, metrics
 

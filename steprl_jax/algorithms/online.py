@@ -143,7 +143,8 @@ def warm_start(config, model, tokenizer):
         spec = OfflineSpec("sft", rows, build, sft_lib.LOSS,
                            optimizer_config(config, int(w.updates), float(w.learning_rate)),
                            batch_size=int(w.batch_size), updates=int(w.updates),
-                           num_microbatches=int(w.num_microbatches), save_every=max(1, int(w.updates)))
+                           num_microbatches=int(w.num_microbatches), save_every=max(1, int(w.updates)),
+                           attention_length=float(config.rl.attention_length))
         graphdef, state = train_offline(spec, model, workdir=config.workdir, seed=int(config.seed),
                                         progress=bool(config.progress), base_source=config.model.source)
         export_policy(graphdef, state, tokenizer, out)
@@ -341,7 +342,7 @@ class OnlineLoop:
         self.state, train_metrics = train_on_rows(
             self.step_fn, self.state, rows, ppo_epochs=int(self.rl.ppo_epochs), minibatches=int(self.rl.minibatches),
             num_microbatches=int(self.rl.num_microbatches), min_rows=int(self.rl.queries_per_iteration),
-            logprob_fn=self.logprob_fn, ref_params=self.ref_params)
+            logprob_fn=self.logprob_fn, ref_params=self.ref_params, attention_length=float(self.rl.attention_length))
         metrics.update(train_metrics)
         self._push_params()
         return metrics

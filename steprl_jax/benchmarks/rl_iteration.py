@@ -174,7 +174,8 @@ def ours(a, dtype: str, qs: list[str]) -> dict:
                            weight=1.0 / len(g.tokens))] for j, g in enumerate(gens[i * G:(i + 1) * G])])
                 for i in range(Q)]
         t3 = time.perf_counter()
-        state, m = train_on_rows(step_fn, state, rows, num_microbatches=a.microbatches, min_rows=Q)
+        state, m = train_on_rows(step_fn, state, rows, num_microbatches=a.microbatches, min_rows=Q,
+                                 attention_length=a.attention_length)
         t4 = time.perf_counter()
         policy = copy_model(graphdef, state.params, state.rest)
         jax.block_until_ready(jax.tree.leaves(policy))
@@ -188,6 +189,7 @@ def ours(a, dtype: str, qs: list[str]) -> dict:
                "completion_tokens": sum(lengths), "reward_mean": float(np.mean(rewards)),
                "loss": m["loss"], "grad_norm": m["grad_norm"], "ratio": m["ratio"], "clipfrac": m["clipfrac"],
                "padded_tokens": m["padded_tokens"], "attended_tokens": m["tokens"],
+               "train_shape": [int(m["padded_tokens"] // m["row_length"]), int(m["row_length"])],
                "loss_tokens": m["trained_tokens"],
                "compiled": (sampler.num_compiled - compiled[0]) + (step_fn._cache_size() - compiled[1])}
         records.append(rec)
@@ -462,7 +464,8 @@ def report_grpo(a, host: dict, qs: list[str], results: list[dict]) -> dict:
         f = r["first_update"]
         print(f"ours {r['dtype']}: first update ratio {f['ratio']:.6f}, clip fraction {f['clipfrac']:.4f}; "
               f"programs compiled in the timed iterations: {r['compiled_in_timed']}; warm-up iteration "
-              f"{r['iterations'][0]['iteration_s']:.1f} s; packed {int(r['iterations'][-1]['padded_tokens'])} padded / "
+              f"{r['iterations'][0]['iteration_s']:.1f} s; train batch {r['iterations'][-1]['train_shape']} (rows x "
+              f"length, attention_length {a.attention_length:g}): {int(r['iterations'][-1]['padded_tokens'])} padded / "
               f"{int(r['iterations'][-1]['attended_tokens'])} attended tokens")
     for t in theirs:
         print(f"TRL {t['dtype']}: warm-up step {t['steps_s'][0]:.1f} s; child process wall {t['wall_s']:.0f} s")
@@ -607,7 +610,7 @@ def _warm_train_shape(loop, kept, shapes: set, compile_new: bool) -> float:
     import jax
     import jax.numpy as jnp
 
-    from steprl_jax.training.pack import pack
+    from steprl_jax.algorithms.offline import pack_rows
 
     if not kept:
         return 0.0
@@ -615,8 +618,8 @@ def _warm_train_shape(loop, kept, shapes: set, compile_new: bool) -> float:
     rows, _ = loop.algorithm.build(list(kept), loop.config)
     if not rows:
         return 0.0
-    batch = pack(rows, num_microbatches=int(rl.num_microbatches) * int(rl.minibatches),
-                 min_rows=int(rl.queries_per_iteration))
+    batch = pack_rows(rows, num_microbatches=int(rl.num_microbatches) * int(rl.minibatches),
+                      min_rows=int(rl.queries_per_iteration), attention_length=float(rl.attention_length))
     shape = tuple(batch.tokens.shape)
     new = shape not in shapes
     shapes.add(shape)
@@ -651,6 +654,9 @@ def main(argv=None):
     p.add_argument("--trl-dtypes", type=_dtypes, default=None,
                    help="TRL dtypes to run, '' for none (default float32,bfloat16; --quick: float32)")
     p.add_argument("--microbatches", type=int, default=1, help="our train step's micro-batches (rl config: 1)")
+    p.add_argument("--attention-length", type=float, default=None,
+                   help="our row layout's attention cost (configs/rl.py attention_length; 0: every query's "
+                        "completions packed behind its prompt in one row)")
     p.add_argument("--trl-microbatches", type=int, default=None,
                    help="TRL's gradient-accumulation steps over the queries x samples completions of one "
                         "generation (default 4, --quick 2): one batch of 64 was killed for memory at ~16 GB "
@@ -667,6 +673,10 @@ def main(argv=None):
         return
     if a.quick:
         a.queries, a.samples, a.max_new_tokens = 2, 2, 16
+    if a.attention_length is None:
+        from configs.rl import ATTENTION_LENGTH
+
+        a.attention_length = ATTENTION_LENGTH
     default = ["float32"] if a.quick else ["float32", "bfloat16"]
     a.ours_dtypes = default if a.ours_dtypes is None else a.ours_dtypes
     a.trl_dtypes = default if a.trl_dtypes is None else a.trl_dtypes

@@ -124,6 +124,63 @@ def share_prefix(rows: Sequence[Row], max_tokens: Optional[int] = None) -> list[
     return merged
 
 
+def regroup(rows: Sequence[Row], max_tokens: int) -> list[Row]:
+    """Each row with branches split into rows of at most `max_tokens` (at least one branch each;
+    0: one branch per row), every part repeating the prefix. The same loss tokens with the same
+    context: only how many tokens are run, and how long the rows are, changes."""
+    out = []
+    for row in rows:
+        if not row.branches:
+            out.append(row)
+            continue
+        prefix = sum(len(s.ids) for s in row.prefix)
+        current, length = [], prefix
+        for branch in row.branches:
+            size = 1 + sum(len(s.ids) for s in branch)
+            if current and length + size > max_tokens:
+                out.append(Row(row.prefix, current))
+                current, length = [], prefix
+            current.append(branch)
+            length += size
+        out.append(Row(row.prefix, current))
+    return out
+
+
+def layout_cost(lengths: Sequence[int], *, attention_length: float, num_microbatches: int = 1,
+                num_data_shards: int = 1, min_rows: int = 0, min_length: int = 64) -> float:
+    """Estimated train-step cost of packing rows of these lengths: padded rows x bucketed length
+    x (1 + length / attention_length), where `attention_length` is the row length at which a
+    token's attention costs as much as the rest of its forward and backward."""
+    length = bucket(max(lengths), min_length)
+    multiple = num_microbatches * num_data_shards
+    n = -(-max(len(lengths), min_rows) // multiple) * multiple
+    return n * length * (1.0 + length / attention_length)
+
+
+def cheapest_layout(rows: Sequence[Row], *, attention_length: float, num_microbatches: int = 1,
+                    num_data_shards: int = 1, min_rows: int = 0, min_length: int = 64) -> list[Row]:
+    """`rows` regrouped (`regroup`) to the layout of least `layout_cost`: packing many branches
+    behind one prefix runs the prefix once but makes long rows whose attention grows with the
+    square of their length; one branch per row repeats the prefix but keeps rows short."""
+    rows = list(rows)
+    if not any(len(row.branches) > 1 for row in rows):
+        return rows
+    longest = max(len(row) for row in rows)
+    limits, limit = [0], bucket(1, min_length)
+    while limit < longest:
+        limits.append(limit)
+        limit = bucket(limit + 1)
+    cost = lambda layout: layout_cost([len(r) for r in layout], attention_length=attention_length,
+                                      num_microbatches=num_microbatches, num_data_shards=num_data_shards,
+                                      min_rows=min_rows, min_length=min_length)
+    best, best_cost = rows, cost(rows)
+    for limit in limits:
+        layout = regroup(rows, limit)
+        if cost(layout) < best_cost:
+            best, best_cost = layout, cost(layout)
+    return best
+
+
 def pack(rows: Sequence[Row], *, num_microbatches: int = 1, num_data_shards: int = 1,
          min_rows: int = 0, min_length: int = 64, max_length: Optional[int] = None,
          pad_id: int = 0) -> Batch:
