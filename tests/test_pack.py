@@ -119,7 +119,7 @@ def _fan(prompt_len, branch_lens, seed=0):
 def test_regroup_splits_branches_and_keeps_every_loss_token():
     row = _fan(10, (5, 7, 3, 9))
     assert [len(r.branches) for r in regroup([row], 0)] == [1, 1, 1, 1]  # one branch per row
-    parts = regroup([row], 25)  # prefix 10 + (1 + branch) each: 6 + 8 | 4 + 10
+    parts = regroup([row], 25)  # prefix 10 - 1 + (1 + branch) each: 6 + 8 | 4 + 10
     assert [len(r.branches) for r in parts] == [2, 2] and all(len(r) <= 25 for r in parts)
     assert regroup([row], 10_000) == [row]
     for layout in (regroup([row], 0), parts):
@@ -129,15 +129,15 @@ def test_regroup_splits_branches_and_keeps_every_loss_token():
 
 
 def test_cheapest_layout_follows_the_attention_cost():
-    # 8 completions of 95 tokens behind a 100-token prompt: packed, one 868-token row (bucket
+    # 8 completions of 95 tokens behind a 100-token prompt: packed, one 867-token row (bucket
     # 1024); flat, 8 rows of 196 (bucket 256), twice the tokens; in between, 2 rows of 4
-    # branches (484 tokens, bucket 512). Cheap attention: the fewest padded tokens (packed or
+    # branches (483 tokens, bucket 512). Cheap attention: the fewest padded tokens (packed or
     # 2 x 512); dear attention: 2 x 512, cheaper than both ends.
     row = _fan(100, [95] * 8)
     padded = lambda rows: pack(rows).tokens.size
     assert padded(cheapest_layout([row], attention_length=1e9)) == 1024 == padded([row]) < padded(regroup([row], 0))
     dear = cheapest_layout([row], attention_length=256)
-    assert [len(r) for r in dear] == [484, 484]
+    assert [len(r) for r in dear] == [483, 483]
     cost = lambda rows: layout_cost([len(r) for r in rows], attention_length=256)
     assert cost(dear) == 2 * 512 * 3 < cost(regroup([row], 0)) == 8 * 256 * 2 < cost([row]) == 1024 * 5
     # Short actions behind a long shared state: packing wins even when attention is dear.
@@ -147,3 +147,76 @@ def test_cheapest_layout_follows_the_attention_cost():
     flat = regroup([row], 0)
     assert cheapest_layout(flat, attention_length=256) == flat
     assert layout_cost([100] * 3, attention_length=1e9, num_microbatches=4) == 4 * 128 * (1 + 128 / 1e9)
+
+
+def test_a_tree_row_equals_one_row_per_path():
+    # prompt -> step a (action, observation) -> {b, step c (action, observation) -> {d, e}};
+    # prompt -> f. Each shared step's tokens once, against one row per root-to-leaf path where a
+    # shared step trains in its first path only (the same loss tokens and weights).
+    rng = np.random.default_rng(7)
+    ids = lambda k: rng.integers(1, CFG.vocab_size, k).tolist()
+    act = lambda k, adv: Span(ids(k), loss=True, logprobs=(-1.0 - rng.random(k)).tolist(), advantage=adv,
+                              weight=float(rng.integers(1, 4)))
+    ctx = lambda span: Span(span.ids)
+    prompt, a, oa, b, c, oc, d, e, f = (Span(ids(6)), act(3, 0.5), Span(ids(2)), act(4, -1.0), act(2, 0.3),
+                                        Span(ids(3)), act(3, 1.5), act(5, -0.2), act(4, 0.7))
+    tree = Row([prompt], [Row([a, oa], [[b], Row([c, oc], [[d], [e]])]), [f]])
+    paths = [Row([prompt, a, oa, b]), Row([prompt, ctx(a), oa, c, oc, d]), Row([prompt, ctx(a), oa, ctx(c), oc, e]),
+             Row([prompt, f])]
+    flat_ids, _, _, _, positions, branch, ends = tree.flat()
+    assert len(tree) == len(flat_ids) == 6 + 3 + 2 + (1 + 4) + (1 + 2 + 3 - 1) + (1 + 3) + (1 + 5) + (1 + 4) - 1
+    assert branch == sorted(branch) and sorted(set(branch)) == list(range(7))  # 7 nodes in preorder
+    node_end = dict(zip(branch, ends))
+    assert node_end == {0: 7, 1: 6, 2: 3, 3: 6, 4: 5, 5: 6, 6: 7}
+    # d's first token continues c's observation positions: 6 + 3 + 2 + 2 + 3 = 16
+    assert positions[branch.index(4)] == 15 and positions[branch.index(4) + 1] == 16
+    a_batch, b_batch = pack([tree]), pack(paths)
+    assert a_batch.branch_ends is not None and b_batch.branch_ends is None
+    model = Transformer(CFG, rngs=nnx.Rngs(0))
+
+    def logps(batch):
+        return np.asarray(sequence_logprobs(model, jnp.asarray(batch.tokens), attention_mask_bt=batch.attention_mask,
+                                            positions_bt=batch.positions, branch_ids_bt=batch.branch_ids,
+                                            branch_ends_bt=batch.branch_ends))
+
+    on_a, on_b = a_batch.loss_mask > 0, b_batch.loss_mask > 0
+    assert np.array_equal(a_batch.tokens[on_a], b_batch.tokens[on_b])
+    np.testing.assert_allclose(logps(a_batch)[on_a], logps(b_batch)[on_b], rtol=1e-5, atol=1e-5)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    # the clipped surrogate over the weighted tokens (token_mean over the weights): same loss, same grads
+    fn = make_loss_and_grad(graphdef, TrainStepConfig(loss=LossConfig(kind="policy", agg="token_mean"), remat=None))
+    la, ga, _ = fn(params, rest, jax.tree.map(jnp.asarray, a_batch))
+    lb, gb, _ = fn(params, rest, jax.tree.map(jnp.asarray, b_batch))
+    np.testing.assert_allclose(float(la), float(lb), rtol=1e-5)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=2e-4, atol=1e-6), ga, gb)
+
+
+def test_regroup_opens_a_tree_without_changing_its_loss():
+    rng = np.random.default_rng(11)
+    ids = lambda k: rng.integers(1, CFG.vocab_size, k).tolist()
+    act = lambda k, adv, w: Span(ids(k), loss=True, logprobs=(-1.0 - rng.random(k)).tolist(), advantage=adv, weight=w)
+    a, oa, c, oc = act(3, 0.5, 3.0), Span(ids(2)), act(2, 0.3, 2.0), Span(ids(3))
+    tree = Row([Span(ids(6))], [Row([a, oa], [[act(4, -1.0, 1.0)], Row([c, oc], [[act(3, 1.5, 1.0)],
+                                                                                   [act(5, -0.2, 1.0)]])]),
+                                [act(4, 0.7, 1.0)]])
+    def weighted(rows):
+        b = pack(rows)
+        on = b.loss_mask > 0
+        return sorted(zip(b.tokens[on].tolist(), b.loss_mask[on].tolist(), b.advantages[on].tolist()))
+    model = Transformer(CFG, rngs=nnx.Rngs(1))
+
+    def token_logps(rows):
+        b = pack(rows)
+        lp = np.asarray(sequence_logprobs(model, jnp.asarray(b.tokens), attention_mask_bt=b.attention_mask,
+                                          positions_bt=b.positions, branch_ids_bt=b.branch_ids,
+                                          branch_ends_bt=b.branch_ends))
+        return sorted(zip(b.tokens[b.loss_mask > 0].tolist(), lp[b.loss_mask > 0].round(4).tolist()))
+
+    for limit in (0, 12, 20, 30, 10_000):
+        parts = regroup([tree], limit)
+        assert weighted(parts) == weighted([tree])  # each trained token once, same weight and advantage
+        assert token_logps(parts) == token_logps([tree])  # and the same context
+        if limit == 0:
+            assert len(parts) == 4 and all(not any(isinstance(b, Row) for b in p.branches) for p in parts)
+        if limit == 10_000:
+            assert parts == [tree]

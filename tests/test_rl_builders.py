@@ -15,7 +15,7 @@ from steprl_jax.agents.tree_batch import judged_tree, tree_arrays
 from steprl_jax.algorithms.tree_rows import leaf_rows
 from steprl_jax.algorithms import dapo, grpo, portool
 from steprl_jax.ops.advantages import tree_advantages
-from steprl_jax.training.pack import pack
+from steprl_jax.training.pack import Row, pack
 
 CHECKS_OK = dict(has_think=True, has_tool_call=True, valid_json=True, known_tools=True, valid_arguments=True,
                  executed_ok=True)
@@ -63,16 +63,19 @@ def test_portool_rows_carry_each_steps_advantage_and_no_loss_on_tool_responses()
     adv = np.asarray(adv)
     node_of = {10: 0, 11: 0, 12: 1, 13: 1, 14: 1, 15: 2, 16: 3, 17: 3}
     table = _token_table(batch)
-    # per trajectory: node 0's tokens appear on both paths through it, every time with node 0's advantage
-    assert sorted(t for t, _, _ in table) == sorted([10, 11, 12, 13, 14, 10, 11, 15, 16, 17])
+    # every step's tokens once, each with its node's advantage
+    assert sorted(t for t, _, _ in table) == [10, 11, 12, 13, 14, 15, 16, 17]
     for token, _, a in table:
         assert a == pytest.approx(adv[node_of[token]], abs=1e-6)
     # tool responses (90..92) and the prompt are context, never trained
     mask = np.asarray(batch.loss_mask)
     for token in (1, 2, 3, 90, 91, 92):
         assert not mask[np.asarray(batch.tokens) == token].any()
-    # query_token_mean: every trained token weighs 1 / (the query's trained tokens)
-    assert [w for _, w, _ in table] == pytest.approx([1 / 10] * 10)
+    # query_token_mean: 1 / (the query's trained tokens, 10 over its three trajectories) per
+    # trajectory through a token: node 0, on two trajectories, weighs 2 / 10
+    assert {t: w for t, w, _ in table} == pytest.approx({10: 0.2, 11: 0.2, 12: 0.1, 13: 0.1, 14: 0.1, 15: 0.1,
+                                                         16: 0.1, 17: 0.1})
+    assert len(rows) == 1 and isinstance(rows[0].branches[0], Row)  # one row, node 0 a sub-tree
     assert metrics["reward"] == pytest.approx(0.0)
 
 
@@ -141,7 +144,8 @@ def _loss_fn(num_microbatches):
 
 def _loss_and_grad(batch, num_microbatches):
     _, params, rest, logprob_fn = _tiny()
-    logp = logprob_fn(params, rest, batch.tokens, batch.attention_mask, None, batch.positions, batch.branch_ids)
+    logp = logprob_fn(params, rest, batch.tokens, batch.attention_mask, None, batch.positions, batch.branch_ids,
+                      batch.branch_ends)
     batch = batch.replace(old_logp=logp)  # parameters unchanged: ratio 1, per-token loss = -advantage
     return _loss_fn(num_microbatches)(params, rest, batch)
 
@@ -150,25 +154,20 @@ def _loss_and_grad(batch, num_microbatches):
 def test_token_means_over_several_queries_are_exact_under_any_micro_batch_split(agg):
     trees = [tree("t0", (1.0, -1.0, 0.0)), tree("t1", (0.0, 1.0, 1.0)), tree("t2", (-1.0, 0.0, 1.0)),
              tree("t3", (1.0, 1.0, -1.0))]
-    per_tree, rows = [], []
-    for record in trees:
-        adv_of = {0: 0.5, 1: -1.0, 2: 2.0, 3: -0.25}
-        rows_t = leaf_rows(record, lambda leaf, node: adv_of[node] + len(record.id), agg=agg)
-        rows += rows_t
-        per_tree.append([(s.ids, s.advantage) for r in rows_t for b in r.branches for s in b if s.loss])
-    # NumPy reference of the loss at ratio 1 (-A per token), aggregated as the mode says
+    adv_of = {0: 0.5, 1: -1.0, 2: 2.0, 3: -0.25}
+    advantage = lambda record, node: adv_of[node] + len(record.id)
+    rows = [row for record in trees
+            for row in leaf_rows(record, lambda leaf, node, record=record: advantage(record, node), agg=agg)]
+    # NumPy reference of the loss at ratio 1 (-A per token) from the trees, every trajectory's
+    # tokens counted (a shared step once per trajectory through it), aggregated as the mode says
+    per_trajectory = [[[-advantage(record, n) for n in record.path(leaf) for _ in record.nodes[n].step.action_ids]
+                       for leaf in record.leaves()] for record in trees]
     if agg == "query_token_mean":
-        ref = np.mean([np.mean([-a for ids, a in spans for _ in ids]) for spans in per_tree])
+        ref = np.mean([np.mean([x for t in query for x in t]) for query in per_trajectory])
     elif agg == "token_mean":
-        ref = np.mean([-a for spans in per_tree for ids, a in spans for _ in ids])
+        ref = np.mean([x for query in per_trajectory for t in query for x in t])
     else:
-        trajectories = []
-        for record in trees:
-            for leaf in record.leaves():
-                path = record.path(leaf)
-                toks = [-(adv_of[n] + len(record.id)) for n in path for _ in record.nodes[n].step.action_ids]
-                trajectories.append(np.mean(toks))
-        ref = np.mean(trajectories)
+        ref = np.mean([np.mean(t) for query in per_trajectory for t in query])
     results = []
     for m in (1, 2, 4):
         batch = pack(rows, num_microbatches=m)

@@ -174,7 +174,8 @@ def train_on_rows(step_fn, state, rows, *, ppo_epochs: int = 1, minibatches: int
                       attention_length=attention_length)
     if logprob_fn is not None:
         batch = batch.replace(ref_logp=logprob_fn(ref_params, state.rest, batch.tokens, batch.attention_mask,
-                                                  batch.loss_mask, batch.positions, batch.branch_ids))
+                                                  batch.loss_mask, batch.positions, batch.branch_ids,
+                                                  batch.branch_ends))
     t1 = time.perf_counter()
     step_metrics = []
     for _ in range(ppo_epochs):

@@ -544,7 +544,8 @@ def portool_records(a) -> dict:
                        "loss_tokens": tm.get("trained_tokens", 0.0), "padded_tokens": tm.get("padded_tokens", 0.0),
                        "reward_mean": metrics.get("reward_mean"), "first_ratio": tm.get("first_ratio"),
                        "first_clipfrac": tm.get("first_clipfrac"), "skipped": tm.get("skipped", 0.0),
-                       "compiled": (loop.sampler.num_compiled - compiled[0]) + (loop.step_fn._cache_size() - compiled[1]),
+                       "compiled": (loop.sampler.num_compiled - compiled[0])
+                                   + (loop.step_fn._cache_size() - compiled[1]),
                        "collected_again": again is not None, "collected_again_same_tokens": again,
                        "train_shape_compile_s": shape_compile_s}
                 rec["pack_push_s"] = (t2 - t1) - rec["build_s"] - rec["train_s"]

@@ -178,17 +178,21 @@ class Transformer(nnx.Module):
         return self.logits_from_hidden(hidden)
 
     def hidden_states(self, input_ids_bt, *, positions_bt=None, attention_mask_bt=None, segment_ids_bt=None,
-                      branch_ids_bt=None, remat: Optional[str] = None):
+                      branch_ids_bt=None, branch_ends_bt=None, remat: Optional[str] = None):
         """Final-normed hidden states [B, T, D] for a full sequence (no cache).
 
         `attention_mask_bt` (1 = real token) marks padding; it is never inferred
         from token ids. `segment_ids_bt` separates packed sequences. Positions
         default to the count of real tokens before each token (within its segment).
 
-        `branch_ids_bt` packs several continuations of one shared prefix into a row: branch 0
-        is the prefix, and a token of branch g > 0 sees (causally) branch 0 and its own branch
-        only, never a sibling. Pass `positions_bt` with it (each branch continues the prefix's
-        positions): the row then computes exactly what one row per branch would.
+        `branch_ids_bt` packs a tree of continuations of a shared prefix into a row: the
+        branches (tree nodes) are numbered in depth-first preorder, and `branch_ends_bt` holds,
+        for each token, one past the last number in its branch's subtree. A token sees
+        (causally) the tokens of its branch and of its ancestors only: key j is visible to query
+        i iff id_j <= id_i < end_j, an interval test on two [B, T] arrays. Without ends the tree
+        has two levels: branch 0, the prefix, is every branch's parent (end = infinity for 0,
+        g + 1 for g). Pass `positions_bt` with it (each branch continues its parent's
+        positions): the row then computes exactly what one row per root-to-leaf path would.
 
         `remat` names the rematerialisation policy applied to each layer for the backward pass
         (see `remat_policy`: e.g. "nothing_saveable" keeps only each layer's input and
@@ -213,9 +217,11 @@ class Transformer(nnx.Module):
             & (segments_bt[:, :, None] == segments_bt[:, None, :])
         )
         if branch_ids_bt is not None:
-            branch_bt = jnp.asarray(branch_ids_bt, jnp.int32)
-            mask_bts = mask_bts & ((branch_bt[:, None, :] == 0)
-                                   | (branch_bt[:, :, None] == branch_bt[:, None, :]))
+            node_bt = jnp.asarray(branch_ids_bt, jnp.int32)
+            end_bt = (jnp.where(node_bt == 0, jnp.iinfo(jnp.int32).max, node_bt + 1) if branch_ends_bt is None
+                      else jnp.asarray(branch_ends_bt, jnp.int32))
+            mask_bts = mask_bts & ((node_bt[:, None, :] <= node_bt[:, :, None])
+                                   & (node_bt[:, :, None] < end_bt[:, None, :]))
         x = self._embed(input_ids_bt)
         x = self._run_layers(x, positions_bt, mask_bts, positions_bt, remat)
         return self._final_norm(x)

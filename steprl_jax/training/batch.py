@@ -6,9 +6,10 @@ token it sampled). Column 0 has no prediction, so `loss_mask[:, 0]` must be 0. T
 prompt and padding tokens have `loss_mask` 0. `attention_mask` (1 = real token) marks padding
 for the model; None means every token is real.
 
-Shared-prefix rows (training/pack.py): `positions` and `branch_ids` pack a prefix (branch 0)
-and its continuations (branches 1..G) into one row; each branch starts with a copy of the
-prefix's last token, so the next-token alignment above holds inside every branch.
+Shared-prefix rows (training/pack.py): `positions`, `branch_ids` and `branch_ends` pack a tree
+of continuations into one row (a prefix, branch 0, and its continuations; continuations of
+those, and so on; see `Transformer.hidden_states`); each branch starts with a copy of its
+parent's last token, so the next-token alignment above holds inside every branch.
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ class Batch:
     ref_logp: Optional[jax.Array] = None   # float32 [B, L], for the KL penalty
     attention_mask: Optional[jax.Array] = None  # int32/bool [B, L]
     positions: Optional[jax.Array] = None  # int32 [B, L], None: counted from the start
-    branch_ids: Optional[jax.Array] = None  # int32 [B, L], 0 = shared prefix, g > 0 = branch g
+    branch_ids: Optional[jax.Array] = None  # int32 [B, L], the token's branch (preorder; 0 = the prefix)
+    branch_ends: Optional[jax.Array] = None  # int32 [B, L], one past the last branch of its subtree
 
     @property
     def shape(self):
@@ -38,7 +40,7 @@ class Batch:
 
 
 def make_batch(tokens, loss_mask, advantages=None, old_logp=None, ref_logp=None,
-               attention_mask=None, positions=None, branch_ids=None) -> Batch:
+               attention_mask=None, positions=None, branch_ids=None, branch_ends=None) -> Batch:
     """Build a Batch of NumPy arrays with the right dtypes (zeros for omitted advantages/logp)."""
     tokens = np.asarray(tokens, np.int32)
     zeros = np.zeros(tokens.shape, np.float32)
@@ -49,7 +51,7 @@ def make_batch(tokens, loss_mask, advantages=None, old_logp=None, ref_logp=None,
                  old_logp=zeros if old_logp is None else f32(old_logp),
                  ref_logp=f32(ref_logp),
                  attention_mask=i32(attention_mask), positions=i32(positions),
-                 branch_ids=i32(branch_ids))
+                 branch_ids=i32(branch_ids), branch_ends=i32(branch_ends))
 
 
 def validate_batch(batch: Batch, *, vocab_size: Optional[int] = None,
@@ -60,7 +62,7 @@ def validate_batch(batch: Batch, *, vocab_size: Optional[int] = None,
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be [batch, length], got shape {tokens.shape}")
     for name in ("loss_mask", "advantages", "old_logp", "ref_logp", "attention_mask", "positions",
-                 "branch_ids"):
+                 "branch_ids", "branch_ends"):
         value = getattr(batch, name)
         if value is None:
             continue

@@ -12,6 +12,16 @@ position, and sees (branch ids, `Transformer.hidden_states`) the prefix and itse
 the usual next-token alignment holds inside every branch and the row computes exactly what G
 rows `prefix + a_g` compute, with the prefix's tokens run once instead of G times.
 
+A branch may itself be a `Row` (a sub-tree), so a rollout tree packs with every shared step's
+tokens once (agents/tree_batch.py):
+
+    Row([Span(prompt)], [Row([Span(a_1, loss=True, ...), Span(o_1)],
+                             [[Span(a_2, loss=True, ...)], [Span(a_2', loss=True, ...)]]),
+                         [Span(a_1'', loss=True, ...)]])
+
+Branches are numbered in depth-first preorder; a token sees its own branch and its
+ancestors (the interval test of `Transformer.hidden_states` on branch ids and ends).
+
 Shapes are bounded: the row length is rounded up to a bucket (`sampling.params.bucket`), and
 the number of rows to a multiple of micro-batches x data shards (and to `min_rows`) with
 empty padding rows, so a run compiles a handful of train-step programs.
@@ -50,12 +60,20 @@ class Span:
 
 @dataclasses.dataclass(frozen=True)
 class Row:
+    """A tree of token spans laid out in one row: `prefix`, then each branch continuing it. A
+    branch is a list of spans (a leaf) or a `Row` (a sub-tree: its prefix continues this one's,
+    its branches fork after it). A node with branches must end in a non-loss span (its last
+    token is copied to the head of every branch)."""
+
     prefix: Sequence[Span]
-    branches: Sequence[Sequence[Span]] = ()
+    branches: Sequence = ()
 
     def flat(self):
-        """(ids, loss, logprobs, advantages, positions, branch ids) as lists, in row order."""
+        """(ids, loss, logprobs, advantages, positions, branch ids, branch ends) as lists, in
+        row order: branches numbered in depth-first preorder, each branch's end one past the last
+        number of its subtree (`Transformer.hidden_states`)."""
         out = ([], [], [], [], [], [])
+        ends: dict = {}
 
         def put(span: Span, branch: int, start_pos: int, ids=None):
             ids = list(span.ids if ids is None else ids)
@@ -68,30 +86,51 @@ class Row:
             out[5].extend([branch] * len(ids))
             return start_pos + len(ids)
 
-        prefix = [s for s in self.prefix if len(s.ids)]
-        if not prefix:
+        def lay(spans, branches, pos: int, carry) -> None:
+            node = len(ends)
+            ends[node] = None
+            if carry is not None:  # the parent's last token, at the parent's last position
+                pos = put(Span([carry]), node, pos)
+            spans = [s for s in spans if len(s.ids)]
+            if not branches:
+                for span in spans:
+                    pos = put(span, node, pos)
+            else:
+                if not spans or spans[-1].loss:
+                    raise ValueError("a row with branches needs a prefix that ends in a non-loss span")
+                for span in spans[:-1]:
+                    pos = put(span, node, pos)
+                pos = put(spans[-1], node, pos, ids=list(spans[-1].ids)[:-1])
+                last = spans[-1].ids[-1]
+                for branch in branches:
+                    if isinstance(branch, Row):
+                        lay(branch.prefix, branch.branches, pos, last)
+                    else:
+                        lay(branch, (), pos, last)
+            ends[node] = len(ends)
+
+        if not any(len(s.ids) for s in self.prefix):
             raise ValueError("a row needs a non-empty prefix")
-        if not self.branches:
-            pos = 0
-            for span in prefix:
-                pos = put(span, 0, pos)
-            return out
-        if prefix[-1].loss:
-            raise ValueError("a row with branches needs a prefix that ends in a non-loss span")
-        last = prefix[-1].ids[-1]
-        pos = 0
-        for span in prefix[:-1]:
-            pos = put(span, 0, pos)
-        pos = put(prefix[-1], 0, pos, ids=list(prefix[-1].ids)[:-1])
-        for g, branch in enumerate(self.branches, start=1):
-            start = put(Span([last]), g, pos)
-            for span in branch:
-                start = put(span, g, start)
-        return out
+        lay(self.prefix, self.branches, 0, None)
+        return (*out, [ends[b] for b in out[5]])
 
     def __len__(self) -> int:
-        prefix = sum(len(s.ids) for s in self.prefix)
-        return prefix + sum(1 + sum(len(s.ids) for s in b) for b in self.branches)
+        """Tokens of the row's layout (without building it)."""
+        return _size(self.prefix, self.branches, child=False)
+
+
+def _size(spans, branches, *, child: bool) -> int:
+    """Tokens a node takes in the layout: a child's head copy, its own tokens less the last one
+    when it has branches (they copy it), and its branches'."""
+    own = sum(len(s.ids) for s in spans) + int(child) - int(bool(branches))
+    return own + sum(branch_size(b) for b in branches)
+
+
+def branch_size(branch) -> int:
+    """Tokens a branch (a span list or a sub-tree `Row`) adds to its parent's row."""
+    if isinstance(branch, Row):
+        return _size(branch.prefix, branch.branches, child=True)
+    return _size(branch, (), child=True)
 
 
 def share_prefix(rows: Sequence[Row], max_tokens: Optional[int] = None) -> list[Row]:
@@ -111,13 +150,13 @@ def share_prefix(rows: Sequence[Row], max_tokens: Optional[int] = None) -> list[
         return list(rows)
     k = len(common) - 1  # each branch starts with a copy of the prefix's last token: keep one apart
     prefix = [Span(common[:k])]
-    merged, current, length = [], [], k
+    merged, current, length = [], [], k - 1  # the prefix's last token moves to the branches
     for row, ids in zip(rows, first):
         branch = [Span(ids[k:]), *row.prefix[1:]]
-        size = 1 + sum(len(s.ids) for s in branch)
+        size = branch_size(branch)
         if current and max_tokens is not None and length + size > max_tokens:
             merged.append(Row(prefix, current))
-            current, length = [], k
+            current, length = [], k - 1
         current.append(branch)
         length += size
     merged.append(Row(prefix, current))
@@ -125,24 +164,45 @@ def share_prefix(rows: Sequence[Row], max_tokens: Optional[int] = None) -> list[
 
 
 def regroup(rows: Sequence[Row], max_tokens: int) -> list[Row]:
-    """Each row with branches split into rows of at most `max_tokens` (at least one branch each;
-    0: one branch per row), every part repeating the prefix. The same loss tokens with the same
-    context: only how many tokens are run, and how long the rows are, changes."""
+    """Each row with branches split into rows of at most `max_tokens` where it can be (0: one
+    root-to-leaf path per row): the root's branches are grouped in order, and a sub-tree too
+    long to fit one row is opened into its children, each carrying the sub-tree's own spans.
+    A repeated span trains in its first copy only (the others are context), so the loss tokens,
+    their weights and their context are unchanged: only how many tokens are run, and how long
+    the rows are, changes."""
     out = []
     for row in rows:
         if not row.branches:
             out.append(row)
             continue
-        prefix = sum(len(s.ids) for s in row.prefix)
-        current, length = [], prefix
-        for branch in row.branches:
-            size = 1 + sum(len(s.ids) for s in branch)
+        prefix = sum(len(s.ids) for s in row.prefix) - 1  # its last token moves to the branches
+        queue, current, length, parts = list(row.branches), [], prefix, 0
+        while queue:
+            branch = queue.pop(0)
+            size = branch_size(branch)
+            if prefix + size > max_tokens and isinstance(branch, Row) and branch.branches:
+                queue[:0] = _open(branch)
+                continue
             if current and length + size > max_tokens:
-                out.append(Row(row.prefix, current))
-                current, length = [], prefix
+                out.append(Row(row.prefix if not parts else _context(row.prefix), current))
+                current, length, parts = [], prefix, parts + 1
             current.append(branch)
             length += size
-        out.append(Row(row.prefix, current))
+        out.append(Row(row.prefix if not parts else _context(row.prefix), current))
+    return out
+
+
+def _context(spans) -> list[Span]:
+    return [Span(s.ids) if s.loss else s for s in spans]
+
+
+def _open(branch: Row) -> list:
+    """A sub-tree as its children, each prefixed by the sub-tree's own spans (trained in the
+    first child only)."""
+    out = []
+    for i, child in enumerate(branch.branches):
+        own = list(branch.prefix) if i == 0 else _context(branch.prefix)
+        out.append(Row(own + list(child.prefix), child.branches) if isinstance(child, Row) else own + list(child))
     return out
 
 
@@ -163,7 +223,7 @@ def cheapest_layout(rows: Sequence[Row], *, attention_length: float, num_microba
     behind one prefix runs the prefix once but makes long rows whose attention grows with the
     square of their length; one branch per row repeats the prefix but keeps rows short."""
     rows = list(rows)
-    if not any(len(row.branches) > 1 for row in rows):
+    if not any(row.branches for row in rows):
         return rows
     longest = max(len(row) for row in rows)
     limits, limit = [0], bucket(1, min_length)
@@ -205,12 +265,13 @@ def pack(rows: Sequence[Row], *, num_microbatches: int = 1, num_data_shards: int
     adv = np.zeros((n, length), np.float32)
     positions = np.zeros((n, length), np.int32)
     branches = np.zeros((n, length), np.int32)
-    for r, (ids, lm, lp, ad, pos, br) in enumerate(flats):
+    ends = np.zeros((n, length), np.int32)  # padding: end 0, seen by nothing
+    for r, (ids, lm, lp, ad, pos, br, en) in enumerate(flats):
         k = len(ids)
         tokens[r, :k], attention[r, :k], loss[r, :k] = ids, 1, lm
-        logp[r, :k], adv[r, :k], positions[r, :k], branches[r, :k] = lp, ad, pos, br
+        logp[r, :k], adv[r, :k], positions[r, :k], branches[r, :k], ends[r, :k] = lp, ad, pos, br, en
         positions[r, k:] = pos[-1] + 1 + np.arange(length - k)  # padding: past the row's tokens
     loss[:, 0] = 0.0  # column 0 has no prediction
     shared = any(row.branches for row in rows)
-    return make_batch(tokens, loss, adv, logp, attention_mask=attention,
-                      positions=positions if shared else None, branch_ids=branches if shared else None)
+    return make_batch(tokens, loss, adv, logp, attention_mask=attention, positions=positions if shared else None,
+                      branch_ids=branches if shared else None, branch_ends=ends if shared else None)
