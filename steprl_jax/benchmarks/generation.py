@@ -35,6 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from steprl_jax.benchmarks.host import measure_machine, median_time
+
 QUESTIONS = [
     "Write a short story about a robot who learns to paint.",
     "What is the capital of France? Explain its history.",
@@ -45,35 +47,6 @@ QUESTIONS = [
     "Give me three tips to sleep better.",
     "Summarise the plot of Romeo and Juliet in two sentences.",
 ]
-
-
-def _median_time(fn, reps):
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def _measure_machine():
-    """Measured now: float32 and bfloat16 matmul FLOP/s (1024^3, f32 accumulation) and memory
-    bandwidth in B/s (the better of a numpy copy, read + write, and a jitted sum, read)."""
-    n = 1024
-    rates = {}
-    for dtype in (jnp.float32, jnp.bfloat16):
-        a = jnp.ones((n, n), dtype)
-        mm = jax.jit(lambda x: jnp.matmul(x, x, preferred_element_type=jnp.float32))
-        jax.block_until_ready(mm(a))
-        rates[jnp.dtype(dtype).name] = 2 * n ** 3 / _median_time(lambda: jax.block_until_ready(mm(a)), 5)
-    src = np.ones(64 * 1024 * 1024, np.float32)  # 256 MB
-    dst = np.empty_like(src)
-    copy_bw = 2 * src.nbytes / _median_time(lambda: np.copyto(dst, src), 5)
-    big = jnp.asarray(src)
-    total = jax.jit(jnp.sum)
-    jax.block_until_ready(total(big))
-    sum_bw = big.nbytes / _median_time(lambda: jax.block_until_ready(total(big)), 5)
-    return rates, max(copy_bw, sum_bw)
 
 
 def _roofline(config, batch, prompt_len, new_tokens, flops, bandwidth, bytes_per_value=4):
@@ -162,7 +135,7 @@ def main(argv=None):
             model = loaded  # continue and fork cases
     sampler = samplers[dtypes[0]]
     reference = None if args.skip_reference else _Reference(resolve_source("smollm2-135m-instruct"))
-    rates, bandwidth = _measure_machine()
+    rates, bandwidth = measure_machine()
     print(f"machine: {jax.devices()[0].platform}, {os.cpu_count()} cpus, matmul float32 {rates['float32'] / 1e9:.0f} / "
           f"bfloat16 {rates['bfloat16'] / 1e9:.0f} GFLOP/s, memory {bandwidth / 1e9:.1f} GB/s "
           "(measured now; the machine may be shared)")
@@ -184,7 +157,7 @@ def main(argv=None):
         for dtype in dtypes:
             ours(prompts, dtype)  # compile
             ours(prompts, dtype, 16)
-            probe[dtype] = _median_time(lambda: ours(prompts, dtype, 16), 1)
+            probe[dtype] = median_time(lambda: ours(prompts, dtype, 16), 1)
         dtype = min(probe, key=probe.get)
         if len(dtypes) > 1:
             print(f"  ours probe, batch {batch}: " + ", ".join(
