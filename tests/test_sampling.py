@@ -348,3 +348,22 @@ def test_bf16_single_row_decodes_beside_a_padding_row_with_the_same_results():
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
     with pytest.raises(ValueError, match="min_decode_batch"):
         Sampler(model, min_decode_batch=0)
+
+
+def test_the_host_copy_of_the_pending_tokens_follows_the_device(sampler):
+    # append reads the pending tokens from the host copy (no device round trip): it must always
+    # equal the device's, through prefill, generate (rows that sample and rows that do not),
+    # append (rows that get tokens and rows that do not) and fork.
+    def same(state):
+        assert state.last_host.tolist() == np.asarray(state.last_token)[:state.num_rows].tolist()
+
+    state = sampler.prefill([[5, 6, 7], [8, 9], [10, 11, 12, 13]])
+    same(state)
+    state, _ = sampler.generate(state, jax.random.PRNGKey(0), max_new_tokens=[4, 0, 2], stop_token_ids=())
+    same(state)
+    state = sampler.append(state, [[20, 21], [], [22]])
+    same(state)
+    state = sampler.fork(state, [2, 0, 0, 1])
+    same(state)
+    state, _ = sampler.generate(state, jax.random.PRNGKey(1), max_new_tokens=3, stop_token_ids=())
+    same(state)

@@ -91,13 +91,15 @@ class SamplerState:
 
     `cache` and `last_token` have the bucketed batch size (rows >= `num_rows` are padding);
     `lengths[b]` counts row b's tokens including the pending one; `index` is the next cache slot
-    (host copy of `cache.index`, so capacity checks never sync with the device).
+    (host copy of `cache.index`, so capacity checks never sync with the device); `last_host` is
+    the host's copy of the pending tokens (so `append` never reads them back from the device).
     """
 
     cache: KVCache
     last_token: jax.Array  # [B_bucket] int32
     lengths: np.ndarray  # [num_rows] int64, host
     index: int
+    last_host: np.ndarray  # [num_rows] int64, host
 
     @property
     def num_rows(self) -> int:
@@ -442,7 +444,7 @@ class Sampler:
         last = np.zeros(batch, np.int32)
         last[:n] = [p[-1] for p in prompts]
         state = SamplerState(self._empty_cache(batch, cache_length), self._put_rows(last),
-                             np.asarray([p.size for p in prompts], np.int64), 0)
+                             np.asarray([p.size for p in prompts], np.int64), 0, last[:n].astype(np.int64))
         return self._feed(state, [p[:-1] for p in prompts], start_positions=[0] * n)
 
     def append(self, state: SamplerState, token_lists: Sequence[Sequence[int]]) -> SamplerState:
@@ -463,8 +465,9 @@ class Sampler:
         if not any(t.size for t in lists):
             return state
         # Feed [pending, t_0 .. t_{n-2}]; t_{n-1} becomes the new pending token.
-        last = np.asarray(jax.device_get(state.last_token))
-        feeds, new_last = [], last.copy()
+        last = state.last_host
+        feeds, new_last = [], np.zeros(state.batch_bucket, np.int32)
+        new_last[:state.num_rows] = last
         for i, t in enumerate(lists):
             if t.size:
                 feeds.append(np.concatenate([[last[i]], t[:-1]]))
@@ -474,8 +477,9 @@ class Sampler:
         starts = [int(state.lengths[i]) - 1 for i in range(state.num_rows)]
         lengths = state.lengths + np.asarray([t.size for t in lists])
         # Lengths change after the feed: a compaction inside it counts the slots already filled.
-        state = self._feed(dataclasses.replace(state, last_token=self._put_rows(new_last)), feeds,
-                           start_positions=starts)
+        state = self._feed(dataclasses.replace(state, last_token=self._put_rows(new_last),
+                                               last_host=new_last[:state.num_rows].astype(np.int64)),
+                           feeds, start_positions=starts)
         return dataclasses.replace(state, lengths=lengths)
 
     def fork(self, state: SamplerState, rows: Sequence[int]) -> SamplerState:
@@ -491,7 +495,7 @@ class Sampler:
         if rows.min() < 0 or rows.max() >= state.num_rows:
             raise IndexError(f"fork: rows must be in [0, {state.num_rows}), got {rows.tolist()}")
         cache, last = self._gather_rows(state, rows, self._batch_bucket(rows.size), "fork")
-        return SamplerState(cache, last, state.lengths[rows].copy(), state.index)
+        return SamplerState(cache, last, state.lengths[rows].copy(), state.index, state.last_host[rows].copy())
 
     def _widen(self, state: SamplerState, batch: int) -> SamplerState:
         """`state` with at least `batch` cache rows; the added rows are padding (copies of row 0)."""
@@ -561,7 +565,10 @@ class Sampler:
         n_gen = np.asarray(n_gen[:n], np.int64)
         reason = np.asarray(reason[:n]).copy()
         reason[at_limit] = CONTEXT
-        new_state = SamplerState(cache, last, state.lengths + n_gen, state.index + int(n_gen.max(initial=0)))
+        last_host = state.last_host.copy()
+        moved = n_gen > 0
+        last_host[moved] = np.asarray(out_tok)[:n][moved, n_gen[moved] - 1]
+        new_state = SamplerState(cache, last, state.lengths + n_gen, state.index + int(n_gen.max(initial=0)), last_host)
         gens = []
         for b in range(n):
             k = int(n_gen[b])
@@ -585,18 +592,17 @@ class Sampler:
             raise ValueError(f"{what}: token id {int(bad)} is outside the vocabulary [0, {self.config.vocab_size})")
 
     def _row_keys(self, key, n: int, B: int):
-        key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
-        if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        """[B, 2] uint32 row keys on the device (row b: `fold_in(key, b)`, or the given per-row
+        key; padding rows get keys too, never read), without a round trip through the host."""
+        if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
             key = jax.random.key_data(key)
-        key = np.asarray(jax.device_get(key), np.uint32)
-        if key.shape == (2,):
-            rows = np.asarray(jax.device_get(jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(n))))
-        elif key.shape == (n, 2):
-            rows = key
+        shape = tuple(np.shape(key))
+        if shape == (2,):
+            keys = _fold_rows(jnp.asarray(key, jnp.uint32), B)
+        elif shape == (n, 2):
+            keys = jnp.pad(jnp.asarray(key, jnp.uint32), ((0, B - n), (0, 0)))
         else:
-            raise ValueError(f"generate: key must be one PRNG key or {n} keys (one per row), got shape {key.shape}")
-        keys = np.zeros((B, 2), np.uint32)
-        keys[:n] = rows
+            raise ValueError(f"generate: key must be one PRNG key or {n} keys (one per row), got shape {shape}")
         return self._put_rows(keys)
 
     def _bytes_table(self) -> list:
@@ -670,6 +676,11 @@ class Sampler:
             index += T
             lo += chunk
         return dataclasses.replace(state, cache=cache, index=index)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _fold_rows(key, rows: int):
+    return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(rows))
 
 
 def _identity(x):
