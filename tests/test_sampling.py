@@ -367,3 +367,21 @@ def test_the_host_copy_of_the_pending_tokens_follows_the_device(sampler):
     same(state)
     state, _ = sampler.generate(state, jax.random.PRNGKey(1), max_new_tokens=3, stop_token_ids=())
     same(state)
+
+
+def test_set_params_places_the_trainers_parameters_with_the_samplers_shardings(model, sampler):
+    # the trainer keeps its parameters fsdp-sharded over 8 devices; the sampler's mesh is
+    # data x tensor: set_params moves them device to device into the sampler's layout
+    trainer = shard_model(nnx.clone(model), make_mesh(data=1, fsdp=8, tensor=1))
+    mesh = make_mesh(data=4, fsdp=1, tensor=2)
+    s = Sampler(shard_model(nnx.clone(model), mesh), mesh=mesh)
+    placed = lambda: [(x.sharding.mesh.shape, x.sharding.spec) for x in jax.tree.leaves((s._params, s._layer_params))
+                      if x.size]  # (the stacked layers' empty placeholders live nowhere in particular)
+    before = placed()
+    s.set_params(trainer)
+    assert placed() == before and all(shape == mesh.shape for shape, _ in before)
+    key = jax.random.PRNGKey(3)
+    _, got = s.generate(s.prefill(PROMPTS), key, max_new_tokens=6, params=GREEDY)
+    _, want = sampler.generate(sampler.prefill(PROMPTS), key, max_new_tokens=6, params=GREEDY)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a.tokens, b.tokens)

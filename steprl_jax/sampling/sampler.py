@@ -67,7 +67,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from steprl_jax.models.sharding import LOGICAL_AXIS_RULES
+from steprl_jax.models.sharding import LOGICAL_AXIS_RULES, state_shardings
 from steprl_jax.models.transformer import KVCache, Transformer
 from steprl_jax.ops.logprobs import scaled_logits, stats_from_scaled_logits
 from steprl_jax.sampling import stop as stop_lib
@@ -273,6 +273,7 @@ class Sampler:
         self.config = model.config
         self.tokenizer = tokenizer
         self.mesh = mesh
+        self.rules = rules
         self.max_context = int(max_context or self.config.max_position_embeddings)
         self.max_cache_length = int(max_cache_length or bucket(self.max_context, min_cache_length))
         if self.max_cache_length < self.max_context // 2:
@@ -320,10 +321,14 @@ class Sampler:
 
     # ------------------------------------------------------------------ parameters
     def set_params(self, model: Transformer) -> None:
-        """Take (new) parameters from `model` (same architecture); casts matmul weights once."""
+        """Take (new) parameters from `model` (same architecture); casts matmul weights once.
+        With a mesh they are placed with the sampler's own shardings (by its rules table),
+        device to device, wherever the trainer kept them."""
         if model.config != self.config:
             raise ValueError("set_params: the model's config differs from the sampler's")
         _, state = nnx.split(model)
+        if self.mesh is not None:
+            state = jax.device_put(state, state_shardings(state, self.mesh, self.rules))
         dtype = jnp.dtype(self.config.compute_dtype)
         if dtype != jnp.float32:
             def cast(path, x):
