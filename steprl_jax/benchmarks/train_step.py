@@ -11,8 +11,10 @@ from the same GGUF, the same loss written in torch, torch.optim.AdamW, default f
 
 MFU = model FLOPs per second / the matmul rate of our compute dtype (f32 accumulation)
 measured here, in this run just before our steps (model FLOPs: 6 x matmul parameters x tokens
-+ causal-free attention 12 x L x B x T^2 x N x H; recomputation not counted). Everything is timed in the same process; the PyTorch steps run
-before and after ours (median), so a change of load on a shared machine biases neither side.
++ causal-free attention 12 x L x B x T^2 x N x H; recomputation not counted). PyTorch runs
+at each of `--torch-dtypes` (float32; bf16 autocast with float32 master weights) in child
+processes before and after ours (median), so a change of load on a shared machine biases
+neither side, and ours is compared with its faster setting.
 """
 from __future__ import annotations
 
@@ -85,7 +87,7 @@ def bench_jax(batch, length, steps, chunk, microbatches=4, remat="qkvo_saveable"
     step = make_train_step(graphdef, tx, TrainStepConfig(loss=LossConfig(
         agg="token_mean", eps_low=0.2, eps_high=0.28, logprob_chunk=chunk),
         num_microbatches=microbatches, remat=remat))
-    _log(f"jax: model loaded; compiling the train step")
+    _log("jax: model loaded; compiling the train step")
     t0 = time.perf_counter()
     state, m = step(state, b)
     jax.block_until_ready(m)
@@ -104,8 +106,12 @@ def bench_jax(batch, length, steps, chunk, microbatches=4, remat="qkvo_saveable"
     return cfg, float(np.median(times)), compile_s, first_clipfrac, float(m["loss"])
 
 
-def make_torch_bench(batch, length, threads):
-    """Load the reference, warm it up, return `timed(n) -> [seconds per step]`."""
+def make_torch_bench(batch, length, threads, dtype="float32"):
+    """Load the reference, warm it up, return `timed(n) -> [seconds per step]`. `dtype`
+    bfloat16: the forward (and so the backward) under `torch.autocast("cpu", torch.bfloat16)`,
+    float32 master weights and optimizer, as mixed-precision PyTorch training does."""
+    import contextlib
+
     import torch
     from transformers import AutoModelForCausalLM
     torch.set_num_threads(threads)
@@ -120,7 +126,11 @@ def make_torch_bench(batch, length, threads):
     eps_low, eps_high = 0.2, 0.28
 
     def token_logp():
-        logits = model(input_ids=tokens_t).logits.float()
+        autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bfloat16"
+                    else contextlib.nullcontext())
+        with autocast:
+            logits = model(input_ids=tokens_t).logits
+        logits = logits.float()
         logp = torch.log_softmax(logits[:, :-1], dim=-1)
         logp = logp.gather(-1, tokens_t[:, 1:, None])[..., 0]
         return torch.cat([torch.zeros_like(logp[:, :1]), logp], dim=1)
@@ -142,7 +152,7 @@ def make_torch_bench(batch, length, threads):
 
     t0 = time.perf_counter()
     one_step()  # warm-up
-    _log(f"torch: warm-up step took {time.perf_counter() - t0:.2f} s")
+    _log(f"torch {dtype}: warm-up step took {time.perf_counter() - t0:.2f} s")
 
     def timed(n):
         times = []
@@ -150,13 +160,13 @@ def make_torch_bench(batch, length, threads):
             t0 = time.perf_counter()
             one_step()
             times.append(time.perf_counter() - t0)
-            _log(f"torch: step took {times[-1]:.2f} s")
+            _log(f"torch {dtype}: step took {times[-1]:.2f} s")
         return times
     return timed
 
 
-def _torch_child(a):
-    cmd = [sys.executable, "-m", "steprl_jax.benchmarks.train_step", "--torch-only",
+def _torch_child(a, dtype):
+    cmd = [sys.executable, "-m", "steprl_jax.benchmarks.train_step", "--torch-only", f"--torch-dtypes={dtype}",
            f"--batch={a.batch}", f"--length={a.length}", f"--torch-steps={a.torch_steps}"]
     out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -181,15 +191,25 @@ def main(argv=None):
                         "is at least 1.2x float32's (a CPU with bf16 dot instructions), else "
                         "float32 (on a CPU without them bf16 only adds conversions)")
     p.add_argument("--skip-torch", action="store_true")
+    p.add_argument("--torch-dtypes", default="float32,bfloat16",
+                   help="PyTorch settings to probe: float32 and/or bfloat16 (autocast); ours is compared "
+                        "with the faster")
+    p.add_argument("--json", default=None, help="write the figures here")
     p.add_argument("--torch-only", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    torch_dtypes = [] if a.skip_torch else [d for d in a.torch_dtypes.split(",") if d]
+    if any(d not in ("float32", "bfloat16") for d in torch_dtypes):
+        p.error(f"--torch-dtypes: use float32 and/or bfloat16, got {a.torch_dtypes!r}")
     if a.torch_only:  # child process: warm up, time, print JSON
-        print(json.dumps(make_torch_bench(a.batch, a.length, os.cpu_count() or 1)(
+        print(json.dumps(make_torch_bench(a.batch, a.length, os.cpu_count() or 1, torch_dtypes[0])(
             a.torch_steps)))
         return
     # PyTorch steps run in child processes before AND after ours (separate processes: the two
     # models never share memory), so a change of machine load biases neither side.
-    torch_times = [] if a.skip_torch else _torch_child(a)
+    torch_times = {d: _torch_child(a, d) for d in torch_dtypes}
+    from steprl_jax.benchmarks.host import describe, measure_machine
+
+    host_rates, bandwidth = measure_machine()
     rates = {dt: measure_matmul_rate(dtype=dt) for dt in ("bfloat16", "float32")}
     _log(f"matmul rates (TFLOP/s): bf16 {rates['bfloat16'] / 1e12:.3f}, "
          f"f32 {rates['float32'] / 1e12:.3f}")
@@ -200,29 +220,41 @@ def main(argv=None):
     remat = None if a.remat == "none" else a.remat
     cfg, jax_s, compile_s, clipfrac, loss = bench_jax(a.batch, a.length, a.steps, a.chunk,
                                                          a.microbatches, remat, dtype)
-    if not a.skip_torch:
-        torch_times += _torch_child(a)
-    torch_s = float(np.median(torch_times)) if torch_times else None
+    for d in torch_dtypes:
+        torch_times[d] += _torch_child(a, d)
+    torch_med = {d: float(np.median(t)) for d, t in torch_times.items()}
+    best_torch = min(torch_med, key=torch_med.get) if torch_med else None
+    torch_s = torch_med[best_torch] if best_torch else None
     flops = model_flops(cfg, a.batch, a.length)
     tokens = a.batch * a.length
     print(f"train step, SmolLM2-135M-Instruct, batch {a.batch} x {a.length} tokens "
-          f"(forward + backward + AdamW)")
+          f"(forward + backward + AdamW); host: {describe(host_rates, bandwidth)}")
     print(f"measured matmul rates (f32 accumulation): bf16 {rates['bfloat16'] / 1e12:.3f}, "
           f"f32 {rates['float32'] / 1e12:.3f} TFLOP/s; MFU is against the {dtype} rate; "
           f"model FLOPs per step: {flops / 1e12:.2f} TFLOP")
     print(f"{'impl':<50}{'s/step':>9}{'tokens/s':>11}{'TFLOP/s':>9}{'MFU':>8}")
     short = {"bfloat16": "bf16", "float32": "f32"}[dtype]
     rows = [(f"steprl_jax ({short}, {a.microbatches} micro, remat {a.remat})", jax_s)]
-    if torch_s is not None:
-        rows.append(("pytorch transformers (f32)", torch_s))
+    for d, t in torch_med.items():
+        rows.append((f"pytorch transformers ({'f32' if d == 'float32' else 'bf16 autocast'})", t))
     for name, s in rows:
         print(f"{name:<50}{s:>9.2f}{tokens / s:>11.0f}{flops / s / 1e12:>9.3f}"
               f"{flops / s / rate:>8.1%}")
     if torch_s is not None:
-        print(f"speed-up vs PyTorch: {torch_s / jax_s:.2f}x (target >= 2x)")
+        print(f"speed-up vs PyTorch at its faster setting ({best_torch}): {torch_s / jax_s:.2f}x (target >= 2x: "
+              f"{'PASS' if torch_s / jax_s >= 2 else 'FAIL'})")
     print(f"MFU target 35%: {'PASS' if flops / jax_s / rate >= .35 else 'FAIL'}; "
           f"first-step compile {compile_s:.1f} s; first-update clip fraction {clipfrac:.4f}; "
           f"loss {loss:.4f}")
+    if a.json:
+        from steprl_jax.evaluation.metrics import write_text_atomic
+
+        write_text_atomic(a.json, json.dumps({
+            "args": vars(a), "host": {"matmul_flops": host_rates, "bandwidth": bandwidth},
+            "matmul_rates_transformer_shapes": rates,
+            "ours": {"dtype": dtype, "s_per_step": jax_s, "mfu": flops / jax_s / rate},
+            "torch": {d: {"s_per_step": t, "times": torch_times[d]} for d, t in torch_med.items()},
+            "torch_best": best_torch, "ratio": (torch_s / jax_s) if torch_s else None}, indent=1))
 
 
 if __name__ == "__main__":
