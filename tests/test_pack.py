@@ -220,3 +220,16 @@ def test_regroup_opens_a_tree_without_changing_its_loss():
             assert len(parts) == 4 and all(not any(isinstance(b, Row) for b in p.branches) for p in parts)
         if limit == 10_000:
             assert parts == [tree]
+
+
+def test_layout_guards():
+    from steprl_jax.training.batch import validate_batch
+
+    row = _fan(100, [95] * 8)
+    batch = pack([row])
+    validate_batch(batch)
+    with pytest.raises(ValueError, match="branch_ends"):  # a nested tree's mask needs its ends
+        validate_batch(batch.replace(branch_ends=None))
+    # a layout longer than max_length is never chosen when a regrouped one fits
+    chosen = cheapest_layout([row], attention_length=1e9, max_length=600)
+    assert max(len(r) for r in chosen) <= 600

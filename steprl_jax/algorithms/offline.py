@@ -102,6 +102,9 @@ def train_offline(spec: OfflineSpec, model, *, workdir: str, seed: int, ref_para
                   base_source: Optional[str] = None):
     """Run (or resume) `spec`; returns (graphdef, final train state). With `base_source` (the
     load_pretrained source of `model`) the checkpoint folder loads as a policy itself."""
+    if spec.attention_length > 0 and spec.loss.agg != "token_mean":
+        raise ValueError(f"{spec.name}: regrouping rows (attention_length > 0) keeps the loss only under the "
+                         f"token_mean aggregation, not {spec.loss.agg!r}")
     if not spec.items:
         raise ValueError(f"{spec.name}: no training items (did the filter keep anything?)")
     tx = make_optimizer(spec.optimizer)
@@ -161,7 +164,7 @@ def pack_rows(rows, *, num_microbatches: int = 1, min_rows: int = 0, max_length:
     layout of least estimated cost (`pack.cheapest_layout`)."""
     if attention_length > 0:
         rows = cheapest_layout(rows, attention_length=attention_length, num_microbatches=num_microbatches,
-                               min_rows=min_rows)
+                               min_rows=min_rows, max_length=max_length)
     return pack(rows, num_microbatches=num_microbatches, min_rows=min_rows, max_length=max_length)
 
 

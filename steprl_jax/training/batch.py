@@ -69,6 +69,10 @@ def validate_batch(batch: Batch, *, vocab_size: Optional[int] = None,
         if np.shape(value) != tokens.shape:
             raise ValueError(f"{name} shape {np.shape(value)} != tokens shape {tokens.shape}")
         check_finite(name, value)
+    if batch.branch_ids is not None and batch.branch_ends is None:
+        # without ends the mask assumes two levels (every branch a child of branch 0): a nested
+        # tree would silently lose its ancestors
+        raise ValueError("branch_ids without branch_ends (training/pack.py makes both)")
     mask = np.asarray(batch.loss_mask)
     check_mask_selects("loss_mask", mask)
     if np.any(mask < 0):

@@ -28,6 +28,7 @@ empty padding rows, so a run compiles a handful of train-step programs.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Optional, Sequence
 
@@ -176,12 +177,12 @@ def regroup(rows: Sequence[Row], max_tokens: int) -> list[Row]:
             out.append(row)
             continue
         prefix = sum(len(s.ids) for s in row.prefix) - 1  # its last token moves to the branches
-        queue, current, length, parts = list(row.branches), [], prefix, 0
+        queue, current, length, parts = collections.deque(row.branches), [], prefix, 0
         while queue:
-            branch = queue.pop(0)
+            branch = queue.popleft()
             size = branch_size(branch)
             if prefix + size > max_tokens and isinstance(branch, Row) and branch.branches:
-                queue[:0] = _open(branch)
+                queue.extendleft(reversed(_open(branch)))
                 continue
             if current and length + size > max_tokens:
                 out.append(Row(row.prefix if not parts else _context(row.prefix), current))
@@ -218,7 +219,8 @@ def layout_cost(lengths: Sequence[int], *, attention_length: float, num_microbat
 
 
 def cheapest_layout(rows: Sequence[Row], *, attention_length: float, num_microbatches: int = 1,
-                    num_data_shards: int = 1, min_rows: int = 0, min_length: int = 64) -> list[Row]:
+                    num_data_shards: int = 1, min_rows: int = 0, min_length: int = 64,
+                    max_length: Optional[int] = None) -> list[Row]:
     """`rows` regrouped (`regroup`) to the layout of least `layout_cost`: packing many branches
     behind one prefix runs the prefix once but makes long rows whose attention grows with the
     square of their length; one branch per row repeats the prefix but keeps rows short."""
@@ -230,11 +232,14 @@ def cheapest_layout(rows: Sequence[Row], *, attention_length: float, num_microba
     while limit < longest:
         limits.append(limit)
         limit = bucket(limit + 1)
-    cost = lambda layout: layout_cost([len(r) for r in layout], attention_length=attention_length,
-                                      num_microbatches=num_microbatches, num_data_shards=num_data_shards,
-                                      min_rows=min_rows, min_length=min_length)
+    def cost(layout):
+        lengths = [len(r) for r in layout]
+        if max_length is not None and max(lengths) > max_length:
+            return float("inf")  # pack would refuse it
+        return layout_cost(lengths, attention_length=attention_length, num_microbatches=num_microbatches,
+                           num_data_shards=num_data_shards, min_rows=min_rows, min_length=min_length)
     best, best_cost = rows, cost(rows)
-    for limit in limits:
+    for limit in limits:  # (0: one path per row)
         layout = regroup(rows, limit)
         if cost(layout) < best_cost:
             best, best_cost = layout, cost(layout)
