@@ -38,6 +38,22 @@ def _flat_rows(groups):
             for s, acts, lps, advs in groups for a, lp, ad in zip(acts, lps, advs)]
 
 
+def _logps(model, batch):
+    """Per-token log-probs of a packed batch (tree layout included)."""
+    return np.asarray(sequence_logprobs(model, jnp.asarray(batch.tokens), attention_mask_bt=batch.attention_mask,
+                                        positions_bt=batch.positions, branch_ids_bt=batch.branch_ids,
+                                        branch_ends_bt=batch.branch_ends))
+
+
+def _assert_same_loss_and_grads(model, a, b, loss: LossConfig):
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    fn = make_loss_and_grad(graphdef, TrainStepConfig(loss=loss, remat=None))
+    la, ga, _ = fn(params, rest, jax.tree.map(jnp.asarray, a))
+    lb, gb, _ = fn(params, rest, jax.tree.map(jnp.asarray, b))
+    np.testing.assert_allclose(float(la), float(lb), rtol=1e-5)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=2e-4, atol=1e-6), ga, gb)
+
+
 def test_layout_puts_every_span_on_its_tokens():
     state, actions = [5, 6, 7], [[10, 11], [12]]
     batch = pack([Row([Span(state)], [[Span(a, loss=True, logprobs=[-1.0] * len(a), advantage=2.0 + g)]
@@ -65,24 +81,14 @@ def test_shared_prefix_rows_equal_separate_rows():
     model = Transformer(CFG, rngs=nnx.Rngs(0))
     groups = _groups()
     shared, flat = pack(_shared_rows(groups)), pack(_flat_rows(groups))
-
-    def logps(b):
-        return np.asarray(sequence_logprobs(model, jnp.asarray(b.tokens), attention_mask_bt=b.attention_mask,
-                                            positions_bt=b.positions, branch_ids_bt=b.branch_ids))
-
-    got = logps(shared)[shared.loss_mask > 0]
-    want = logps(flat)[flat.loss_mask > 0]
+    got = _logps(model, shared)[shared.loss_mask > 0]
+    want = _logps(model, flat)[flat.loss_mask > 0]
     # Same tokens in the same order (group by group, action by action).
     assert np.array_equal(shared.tokens[shared.loss_mask > 0], flat.tokens[flat.loss_mask > 0])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
     # token_mean: the same tokens and the same denominator in both layouts, so the same loss and grads.
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    fn = make_loss_and_grad(graphdef, TrainStepConfig(loss=LossConfig(agg="token_mean"), remat=None))
-    ls, gs, _ = fn(params, rest, jax.tree.map(jnp.asarray, shared))
-    lf, gf, _ = fn(params, rest, jax.tree.map(jnp.asarray, flat))
-    np.testing.assert_allclose(float(ls), float(lf), rtol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6), gs, gf)
+    _assert_same_loss_and_grads(model, shared, flat, LossConfig(agg="token_mean"))
 
 
 def test_share_prefix_merges_rows_of_one_start_and_keeps_the_loss():
@@ -99,13 +105,9 @@ def test_share_prefix_merges_rows_of_one_start_and_keeps_the_loss():
     assert len(share_prefix(rows, max_tokens=40)) == 2  # split to fit
     model = Transformer(CFG, rngs=nnx.Rngs(0))
     a, b = pack(shared), pack(rows)
-
-    def logps(batch):
-        return np.asarray(sequence_logprobs(model, jnp.asarray(batch.tokens), attention_mask_bt=batch.attention_mask,
-                                            positions_bt=batch.positions, branch_ids_bt=batch.branch_ids))
-
     assert np.array_equal(a.tokens[a.loss_mask > 0], b.tokens[b.loss_mask > 0])
-    np.testing.assert_allclose(logps(a)[a.loss_mask > 0], logps(b)[b.loss_mask > 0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(_logps(model, a)[a.loss_mask > 0], _logps(model, b)[b.loss_mask > 0],
+                               rtol=1e-5, atol=1e-5)
     assert share_prefix([rows[0]]) == [rows[0]]  # nothing to share
 
 
@@ -173,22 +175,11 @@ def test_a_tree_row_equals_one_row_per_path():
     a_batch, b_batch = pack([tree]), pack(paths)
     assert a_batch.branch_ends is not None and b_batch.branch_ends is None
     model = Transformer(CFG, rngs=nnx.Rngs(0))
-
-    def logps(batch):
-        return np.asarray(sequence_logprobs(model, jnp.asarray(batch.tokens), attention_mask_bt=batch.attention_mask,
-                                            positions_bt=batch.positions, branch_ids_bt=batch.branch_ids,
-                                            branch_ends_bt=batch.branch_ends))
-
     on_a, on_b = a_batch.loss_mask > 0, b_batch.loss_mask > 0
     assert np.array_equal(a_batch.tokens[on_a], b_batch.tokens[on_b])
-    np.testing.assert_allclose(logps(a_batch)[on_a], logps(b_batch)[on_b], rtol=1e-5, atol=1e-5)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    np.testing.assert_allclose(_logps(model, a_batch)[on_a], _logps(model, b_batch)[on_b], rtol=1e-5, atol=1e-5)
     # the clipped surrogate over the weighted tokens (token_mean over the weights): same loss, same grads
-    fn = make_loss_and_grad(graphdef, TrainStepConfig(loss=LossConfig(kind="policy", agg="token_mean"), remat=None))
-    la, ga, _ = fn(params, rest, jax.tree.map(jnp.asarray, a_batch))
-    lb, gb, _ = fn(params, rest, jax.tree.map(jnp.asarray, b_batch))
-    np.testing.assert_allclose(float(la), float(lb), rtol=1e-5)
-    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=2e-4, atol=1e-6), ga, gb)
+    _assert_same_loss_and_grads(model, a_batch, b_batch, LossConfig(kind="policy", agg="token_mean"))
 
 
 def test_regroup_opens_a_tree_without_changing_its_loss():
@@ -203,13 +194,12 @@ def test_regroup_opens_a_tree_without_changing_its_loss():
         b = pack(rows)
         on = b.loss_mask > 0
         return sorted(zip(b.tokens[on].tolist(), b.loss_mask[on].tolist(), b.advantages[on].tolist()))
+
     model = Transformer(CFG, rngs=nnx.Rngs(1))
 
     def token_logps(rows):
         b = pack(rows)
-        lp = np.asarray(sequence_logprobs(model, jnp.asarray(b.tokens), attention_mask_bt=b.attention_mask,
-                                          positions_bt=b.positions, branch_ids_bt=b.branch_ids,
-                                          branch_ends_bt=b.branch_ends))
+        lp = _logps(model, b)
         return sorted(zip(b.tokens[b.loss_mask > 0].tolist(), lp[b.loss_mask > 0].round(4).tolist()))
 
     for limit in (0, 12, 20, 30, 10_000):

@@ -150,18 +150,8 @@ def share_prefix(rows: Sequence[Row], max_tokens: Optional[int] = None) -> list[
     if len(common) < 2 or len(rows) == 1:
         return list(rows)
     k = len(common) - 1  # each branch starts with a copy of the prefix's last token: keep one apart
-    prefix = [Span(common[:k])]
-    merged, current, length = [], [], k - 1  # the prefix's last token moves to the branches
-    for row, ids in zip(rows, first):
-        branch = [Span(ids[k:]), *row.prefix[1:]]
-        size = branch_size(branch)
-        if current and max_tokens is not None and length + size > max_tokens:
-            merged.append(Row(prefix, current))
-            current, length = [], k - 1
-        current.append(branch)
-        length += size
-    merged.append(Row(prefix, current))
-    return merged
+    merged = Row([Span(common[:k])], [[Span(ids[k:]), *row.prefix[1:]] for row, ids in zip(rows, first)])
+    return [merged] if max_tokens is None else regroup([merged], max_tokens)
 
 
 def regroup(rows: Sequence[Row], max_tokens: int) -> list[Row]:
