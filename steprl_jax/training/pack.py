@@ -231,8 +231,9 @@ def cheapest_layout(rows: Sequence[Row], *, attention_length: float, num_microba
     best, best_cost = rows, cost(rows)
     for limit in limits:  # (0: one path per row)
         layout = regroup(rows, limit)
-        if cost(layout) < best_cost:
-            best, best_cost = layout, cost(layout)
+        c = cost(layout)
+        if c < best_cost:
+            best, best_cost = layout, c
     return best
 
 
