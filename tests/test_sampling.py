@@ -385,3 +385,87 @@ def test_set_params_places_the_trainers_parameters_with_the_samplers_shardings(m
     _, want = sampler.generate(sampler.prefill(PROMPTS), key, max_new_tokens=6, params=GREEDY)
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a.tokens, b.tokens)
+
+
+def _chunked(sampler, state, keys, max_new, params, stop=(), max_steps=3, return_on_finish=True):
+    """Generate by repeated short calls, continuing the running rows, until every row finishes."""
+    running = [None] * state.num_rows
+    calls = 0
+    while True:
+        todo = np.asarray([0 if g is not None and g.finish_reason != "running" else m
+                           for g, m in zip(running, max_new)])
+        if not todo.any():
+            return running, calls
+        state, gens = sampler.generate(state, keys, max_new_tokens=todo, params=params, stop=stop,
+                                       running=[g if g is not None and g.finish_reason == "running" else None
+                                                for g in running],
+                                       max_steps=max_steps, return_on_finish=return_on_finish)
+        calls += 1
+        running = [g if m else old for g, m, old in zip(gens, todo, running)]
+
+
+@pytest.mark.parametrize("return_on_finish", [False, True])
+def test_generation_in_short_calls_equals_one_call(model, sampler, return_on_finish):
+    """Continued rows: same tokens, log-probs, finish reasons and stop-string cuts as one long call,
+    also for a stop string that straddles two calls."""
+    params = SamplingParams(temperature=1.0, with_entropy=True)
+    keys = np.asarray(jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(5), i))(jnp.arange(3)))
+    max_new = [20, 9, 14]
+    _, free = sampler.generate(sampler.prefill(PROMPTS), keys, max_new_tokens=max_new, params=params)
+    text = sampler.decode_text(free[0].tokens)
+    stop = (text[5:8],)  # ends row 0 after its 5th byte or so: inside the first call or across two
+    _, whole = sampler.generate(sampler.prefill(PROMPTS), keys, max_new_tokens=max_new, params=params, stop=stop)
+    parts, calls = _chunked(sampler, sampler.prefill(PROMPTS), keys, max_new, params, stop=stop,
+                            return_on_finish=return_on_finish)
+    assert calls > 3
+    for a, b in zip(whole, parts):
+        assert a.tokens.tolist() == b.tokens.tolist() and a.finish_reason == b.finish_reason
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6)
+        np.testing.assert_allclose(a.entropies, b.entropies, atol=1e-6)
+        assert (a.text, a.stop_string, a.text_after_stop) == (b.text, b.stop_string, b.text_after_stop)
+    assert whole[0].finish_reason == "stop"
+
+
+def test_a_short_call_returns_when_a_row_finishes(model, sampler):
+    state = sampler.prefill(PROMPTS)
+    _, gens = sampler.generate(state, jax.random.PRNGKey(0), max_new_tokens=[30, 2, 30], params=GREEDY,
+                               return_on_finish=True)
+    assert [g.finish_reason for g in gens] == ["running", "length", "running"]
+    assert [len(g.tokens) for g in gens] == [2, 2, 2] and gens[0].text is None
+
+
+def test_inserted_prompts_generate_as_if_prefilled(model, sampler):
+    """`insert` into a running state: the new rows continue exactly like freshly prefilled ones,
+    and the rows beside them are untouched."""
+    params = SamplingParams(temperature=1.0)
+    keys = np.asarray(jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(9), i))(jnp.arange(3)))
+    state = sampler.prefill(PROMPTS)
+    state, first = sampler.generate(state, keys, max_new_tokens=6, params=params)
+    state = sampler.clear(state, [1])
+    new_prompts = [[30, 31, 32, 33, 34], [40, 41]]
+    state = sampler.insert(state, [1, 2], new_prompts)
+    assert state.lengths.tolist()[1:] == [5, 2]
+    _, after = sampler.generate(state, keys, max_new_tokens=8, params=params)
+    # Row 0 goes on as if nothing happened.
+    _, (row0,) = sampler.generate(sampler.prefill([PROMPTS[0] + first[0].tokens.tolist()]), keys[:1],
+                                  max_new_tokens=8, params=params)
+    assert after[0].tokens.tolist() == row0.tokens.tolist()
+    _, fresh = sampler.generate(sampler.prefill([PROMPTS[0]] + new_prompts), keys, max_new_tokens=8, params=params)
+    for prompt, a, b in zip(new_prompts, after[1:], fresh[1:]):
+        assert a.tokens.tolist() == b.tokens.tolist()
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+        np.testing.assert_allclose(a.logprobs, full_logprobs(model, prompt, a.tokens)[0], atol=1e-4)
+
+
+def test_insert_and_clear_bad_input(sampler):
+    state = sampler.prefill(PROMPTS)
+    with pytest.raises(IndexError, match="insert: rows must be in"):
+        sampler.insert(state, [3], [[1, 2]])
+    with pytest.raises(ValueError, match="insert: got 1 prompts for 2 rows"):
+        sampler.insert(state, [0, 1], [[1, 2]])
+    with pytest.raises(ValueError, match="rows repeat"):
+        sampler.insert(state, [1, 1], [[1, 2], [3]])
+    with pytest.raises(ValueError, match="running generations for 3 rows"):
+        sampler.generate(state, jax.random.PRNGKey(0), max_new_tokens=2, running=[None])
+    with pytest.raises(ValueError, match="max_steps must be >= 1"):
+        sampler.generate(state, jax.random.PRNGKey(0), max_new_tokens=2, max_steps=0)

@@ -1,11 +1,20 @@
 """The rollout engine: many episodes at once, tools between jitted generation calls.
 
-Per agent step, one sampler call generates the next action of every active episode
-(each episode is a row of the sampler's KV cache). Actions are parsed; the tool calls
-of all episodes run concurrently on a thread pool; each episode's observation tokens
-are appended to its cache row (continue, never re-prefill) as soon as its own tools
-are done, so a slow tool delays only its own episode: episodes whose tools are done
-generate their next action while the slow ones are still waiting.
+Each episode is a row of the sampler's KV cache. Actions are parsed; the tool calls of
+all episodes run concurrently on a thread pool; each episode's observation tokens are
+appended to its cache row (continue, never re-prefill) as soon as its own tools are
+done, so a slow tool delays only its own episode.
+
+Continuous batching (`RolloutConfig.continuous`, the default for `run`): the decode loop
+returns control every `decode_chunk` tokens and whenever a row finishes its action; that
+row's tools start at once while the other rows go on decoding, rows back from their tools
+join the next chunk mid-flight, and the row of an episode that ended takes the next
+waiting episode (its prompt prefilled on its own and inserted into the running cache). So
+no row idles until the slowest action of a batch is done. Otherwise (`continuous=False`)
+`run` takes `batch_size` episodes at a time, each generation call running until all its
+rows stop. Sampling randomness is per episode: the action of episode i at step s uses the
+key fold_in(fold_in(run key, i), s) in both modes, so what an episode samples depends on
+its key and context only, not on how it was scheduled.
 
 Trees (PORTool, METHODS 2.3) use the same machinery: a branch is a cache row, and a
 fork copies rows of the cache (`Sampler.fork`), so a shared prefix is computed once.
@@ -16,6 +25,7 @@ returned, and the observation ids exactly as appended.
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import logging
@@ -29,6 +39,7 @@ import numpy as np
 
 from steprl_jax.agents.environments import Task, clip_result
 from steprl_jax.agents.records import Step, TreeNode, TreeRecord, Trajectory
+from steprl_jax.sampling.sampler import ContextOverflowError
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +58,8 @@ class RolloutConfig:
     max_result_chars: int = 4000  # longer tool results reach the agent cut, with a marker
     # Rows whose tools finish within this window after the first one join the same generation call.
     coalesce_s: float = 0.02
+    continuous: bool = True  # `run`: continuous batching (see the module docstring)
+    decode_chunk: int = 16  # continuous: decode steps per generation call at most
 
 
 @dataclasses.dataclass
@@ -82,6 +95,9 @@ class _Branch:
     termination: str = ""
     final_answer: Optional[str] = None
     future: Optional[concurrent.futures.Future] = None
+    key: Optional[np.ndarray] = None  # the episode's key (`run`); None: keys split per call (trees)
+    partial: Optional[object] = None  # continuous: the action being generated (a `running` Generation)
+    generate_s: float = 0.0  # continuous: this action's share of the generation calls so far
 
 
 class RolloutEngine:
@@ -111,9 +127,19 @@ class RolloutEngine:
 
     # ------------------------------------------------------------ trajectories
     def run(self, episodes: Sequence[tuple[str, Task]]) -> Iterator[Trajectory]:
-        """Yield one Trajectory per (episode id, task), in batches of `config.batch_size`."""
+        """Yield one Trajectory per (episode id, task). Continuous (the default): at most
+        `config.batch_size` at once, each yielded as it ends (so not in input order); otherwise
+        in batches of `config.batch_size`, in order."""
+        self.key, run_key = jax.random.split(self.key)
+        keys = _fold_each(np.broadcast_to(np.asarray(run_key, np.uint32), (len(episodes), 2)),
+                          np.arange(len(episodes), dtype=np.uint32)) if episodes else np.zeros((0, 2), np.uint32)
+        keys = np.asarray(keys)
+        if self.config.continuous:
+            yield from self._run_continuous(episodes, keys)
+            return
         for start in range(0, len(episodes), self.config.batch_size):
-            yield from self._run_batch(episodes[start:start + self.config.batch_size])
+            yield from self._run_batch(episodes[start:start + self.config.batch_size],
+                                       keys[start:start + self.config.batch_size])
 
     def _prefill(self, prompt_ids: list):
         t0 = time.perf_counter()
@@ -123,20 +149,115 @@ class RolloutEngine:
         self.stats.prefill_tokens += sum(len(ids) for ids in prompt_ids)
         return state
 
-    def _run_batch(self, episodes) -> list[Trajectory]:
+    def _run_batch(self, episodes, keys) -> list[Trajectory]:
         prompts = [self.prompt(task) for _, task in episodes]
         state = self._prefill([ids for _, ids in prompts])
-        branches = [_Branch(task, i, [], [], len(ids)) for i, ((_, task), (_, ids)) in enumerate(zip(episodes, prompts))]
+        branches = [_Branch(task, i, [], [], len(ids), key=key)
+                    for i, ((_, task), (_, ids), key) in enumerate(zip(episodes, prompts, keys))]
         self._drive(state, branches)
-        out = []
-        for (episode_id, task), (text, ids), branch in zip(episodes, prompts, branches):
-            out.append(Trajectory(
-                id=episode_id, query_id=task.id, question=task.question, prompt_text=text, prompt_ids=ids,
-                steps=branch.steps, reference_answer=task.reference, final_answer=branch.final_answer,
-                termination=branch.termination, metadata=dict(task.metadata)))
+        out = [_trajectory(episode, prompt, branch) for episode, prompt, branch in zip(episodes, prompts, branches)]
         for task in {task.id: task for _, task in episodes}.values():
             self.env.release(task)
         return out
+
+    def _run_continuous(self, episodes, keys) -> Iterator[Trajectory]:
+        """Continuous batching over `config.batch_size` cache rows (see the module docstring)."""
+        c = self.config
+        queue = collections.deque(range(len(episodes)))
+        left_of_task = collections.Counter(task.id for _, task in episodes)  # release a task after its last
+        rows: list[Optional[_Branch]] = []  # the branch on each cache row; None: free
+        prompts: dict = {}  # episode index -> (text, ids)
+        index_of: dict = {}  # id(branch) -> episode index
+        state, waiting, admit = None, [], True
+
+        def start(i, row):
+            prompts[i] = self.prompt(episodes[i][1])
+            branch = _Branch(episodes[i][1], row, [], [], len(prompts[i][1]), key=keys[i])
+            index_of[id(branch)] = i
+            return branch
+
+        while queue or any(b is not None for b in rows):
+            free = [r for r, b in enumerate(rows) if b is None]
+            if queue and admit and (state is None or free):
+                take = [queue.popleft() for _ in range(min(len(queue), len(free) if state else c.batch_size))]
+                targets = free[:len(take)] if state is not None else list(range(len(take)))
+                new = [start(i, row) for i, row in zip(take, targets)]
+                if state is None:
+                    state, rows = self._prefill([prompts[i][1] for i in take]), new
+                else:
+                    try:
+                        state = self._insert(state, targets, [prompts[i][1] for i in take])
+                        for b in new:
+                            rows[b.row] = b
+                    except ContextOverflowError:  # the cache is full: wait until an episode ends
+                        if not any(b is not None for b in rows):
+                            raise
+                        queue.extendleft(reversed(take))
+                        admit = False
+            generating = [b for b in rows if b is not None and b.future is None and not b.done]
+            if generating:
+                state = self._generate_chunk(state, generating)
+                waiting += [b for b in generating if b.future is not None]
+            if not waiting:
+                continue
+            if not any(b is not None and b.future is None and not b.done for b in rows):
+                # Nothing to decode until a tool returns.
+                t0 = time.perf_counter()
+                concurrent.futures.wait([b.future for b in waiting], return_when=concurrent.futures.FIRST_COMPLETED)
+                time.sleep(c.coalesce_s)  # let near-simultaneous tools join the next call
+                self.stats.tool_wait_s += time.perf_counter() - t0
+            finished = [b for b in waiting if b.future.done()]
+            if not finished:
+                continue
+            waiting = [b for b in waiting if not b.future.done()]
+            live = [b for b in rows if b is not None]
+            state = self._append_observations(state, finished, live, renumber=False)
+            ended = [b for b in live if b.done and b.future is None]
+            if ended:
+                state = self.sampler.clear(state, [b.row for b in ended])
+                admit = True
+            for branch in ended:
+                rows[branch.row] = None
+                i = index_of.pop(id(branch))
+                yield _trajectory(episodes[i], prompts.pop(i), branch)
+                left_of_task[branch.task.id] -= 1
+                if not left_of_task[branch.task.id]:
+                    self.env.release(branch.task)
+
+    def _insert(self, state, rows: list[int], prompt_ids: list):
+        t0 = time.perf_counter()
+        state = self.sampler.insert(state, rows, prompt_ids)
+        jax.block_until_ready(state.cache)  # so that the prefill is timed as prefill
+        self.stats.prefill_s += time.perf_counter() - t0
+        self.stats.prefill_tokens += sum(len(ids) for ids in prompt_ids)
+        return state
+
+    def _generate_chunk(self, state, rows: list[_Branch]):
+        """Continuous: up to `decode_chunk` tokens for `rows` (others untouched), returning early when
+        one of them finishes its action; finished actions go to the pool, the others stay partial."""
+        c = self.config
+        max_new = np.zeros(state.num_rows, np.int64)
+        max_new[[b.row for b in rows]] = c.max_new_tokens
+        running = [None] * state.num_rows
+        for b in rows:
+            running[b.row] = b.partial
+        t0 = time.perf_counter()
+        state, generations = self.sampler.generate(
+            state, self._row_keys(state, rows), max_new_tokens=max_new, params=self._params(), stop=self.env.stop_strings,
+            running=running, max_steps=c.decode_chunk, return_on_finish=True)
+        elapsed = time.perf_counter() - t0
+        self.stats.generate_s += elapsed
+        self.stats.generate_calls += 1
+        for branch in rows:
+            generation = generations[branch.row]
+            branch.generate_s += elapsed / len(rows)
+            if generation.finish_reason == "running":
+                branch.partial = generation
+                continue
+            branch.partial = None
+            self._dispatch(branch, generation, branch.generate_s)
+            branch.generate_s = 0.0
+        return state
 
     def _drive(self, state, branches: list[_Branch]) -> None:
         """Step all branches to the end: generate for ready rows, act on the host, append observations."""
@@ -162,26 +283,41 @@ class RolloutEngine:
     def _generate_and_act(self, state, rows: list[_Branch], with_entropy: bool = False):
         """One jitted generation call for `rows` (other rows untouched), then their host work on the pool;
         `with_entropy` records the per-token entropies whatever the config says."""
-        from steprl_jax.sampling import SamplingParams
-
-        self.key, key = jax.random.split(self.key)
+        if all(b.key is not None for b in rows):
+            key = self._row_keys(state, rows)
+        else:
+            self.key, key = jax.random.split(self.key)
         max_new = np.zeros(state.num_rows, np.int64)
         max_new[[b.row for b in rows]] = self.config.max_new_tokens
-        c = self.config
-        params = SamplingParams(temperature=c.temperature if c.temperature > 0 else 1.0, top_k=c.top_k,
-                                top_p=c.top_p, greedy=c.temperature <= 0, with_entropy=c.with_entropy or with_entropy)
         t0 = time.perf_counter()
-        state, generations = self.sampler.generate(state, key, max_new_tokens=max_new, params=params,
-                                                   stop=self.env.stop_strings)
+        state, generations = self.sampler.generate(state, key, max_new_tokens=max_new,
+                                                   params=self._params(with_entropy), stop=self.env.stop_strings)
         elapsed = time.perf_counter() - t0
         self.stats.generate_s += elapsed
         self.stats.generate_calls += 1
         for branch in rows:
-            generation = generations[branch.row]
-            self.stats.generated_tokens += len(generation.tokens)
-            branch.length += len(generation.tokens)
-            branch.future = self._pool.submit(self._act, branch, generation, elapsed / max(1, len(rows)))
+            self._dispatch(branch, generations[branch.row], elapsed / max(1, len(rows)))
         return state
+
+    def _params(self, with_entropy: bool = False):
+        from steprl_jax.sampling import SamplingParams
+
+        c = self.config
+        return SamplingParams(temperature=c.temperature if c.temperature > 0 else 1.0, top_k=c.top_k,
+                              top_p=c.top_p, greedy=c.temperature <= 0, with_entropy=c.with_entropy or with_entropy)
+
+    def _row_keys(self, state, rows: list[_Branch]) -> np.ndarray:
+        """One key per row of `state`: fold_in(episode key, step index) for `rows`, zeros elsewhere."""
+        keys = np.zeros((state.num_rows, 2), np.uint32)
+        keys[[b.row for b in rows]] = _fold_each(np.stack([b.key for b in rows]),
+                                                 np.asarray([len(b.steps) for b in rows], np.uint32))
+        return keys
+
+    def _dispatch(self, branch: _Branch, generation, generate_s: float) -> None:
+        """A finished action: count it and hand its host work (parse, tools) to the pool."""
+        self.stats.generated_tokens += len(generation.tokens)
+        branch.length += len(generation.tokens)
+        branch.future = self._pool.submit(self._act, branch, generation, generate_s)
 
     def _act(self, branch: _Branch, generation, generate_s: float) -> Step:
         """Host work for one action: parse, run its tools, build the observation. Never raises."""
@@ -222,17 +358,16 @@ class RolloutEngine:
         elif branch.length + len(step.observation_ids) + self.config.max_new_tokens > self._max_context:
             branch.done, branch.termination = True, "context"
 
-    def _append_observations(self, state, branches: list[_Branch], in_state: list[_Branch]):
+    def _append_observations(self, state, branches: list[_Branch], in_state: list[_Branch], renumber: bool = True):
         """Append the last observation of each of `branches` to its row; `in_state`: every branch
         holding a row of `state`.
 
         All rows share cache slot indices, so an append is bounded by the longest row in the state,
         finished rows included. When it does not fit, the finished rows are dropped (live rows
-        renumbered) and it is tried again; a branch whose observation still does not fit ends
-        with termination "context", like one whose generation does not fit.
+        renumbered; not with `renumber=False`, where finished rows are cleared instead) and it is
+        tried again; a branch whose observation still does not fit ends with termination
+        "context", like one whose generation does not fit.
         """
-        from steprl_jax.sampling import ContextOverflowError
-
         pending = []
         for branch in branches:
             branch.future.result()  # re-raise a bug in host code here, not silently
@@ -245,7 +380,7 @@ class RolloutEngine:
             except ContextOverflowError:  # raised before any computation: `state` is intact
                 pass
             live = [b for b in in_state if not b.done]
-            if len(live) < state.num_rows:
+            if renumber and len(live) < state.num_rows:
                 state = self._fork(state, [b.row for b in live])
                 for row, branch in enumerate(live):
                     branch.row = row
@@ -478,6 +613,19 @@ class RolloutEngine:
             return state
         self.stats.forks += 1
         return self.sampler.fork(state, rows)
+
+
+@jax.jit
+def _fold_each(keys, data):
+    """fold_in(keys[i], data[i]) for each i: [n, 2] uint32 keys, [n] integers."""
+    return jax.vmap(jax.random.fold_in)(keys, data)
+
+
+def _trajectory(episode: tuple, prompt: tuple, branch: _Branch) -> Trajectory:
+    (episode_id, task), (text, ids) = episode, prompt
+    return Trajectory(id=episode_id, query_id=task.id, question=task.question, prompt_text=text, prompt_ids=ids,
+                      steps=branch.steps, reference_answer=task.reference, final_answer=branch.final_answer,
+                      termination=branch.termination, metadata=dict(task.metadata))
 
 
 def _copy(branch: _Branch) -> _Branch:

@@ -24,7 +24,8 @@ def rollout_config(config) -> RolloutConfig:
     r = config.rollout
     return RolloutConfig(max_steps=int(r.max_steps), max_new_tokens=int(r.max_new_tokens),
                          max_context=int(r.max_context), temperature=float(r.temperature), top_k=int(r.top_k),
-                         top_p=float(r.top_p), batch_size=int(r.batch_size), tool_workers=int(r.tool_workers))
+                         top_p=float(r.top_p), batch_size=int(r.batch_size), tool_workers=int(r.tool_workers),
+                         continuous=bool(r.get("continuous", True)), decode_chunk=int(r.get("decode_chunk", 16)))
 
 
 def evaluate(config, model_and_tokenizer=None, *, split: Optional[str] = None, out_dir: Optional[str] = None,
@@ -65,12 +66,20 @@ def evaluate(config, model_and_tokenizer=None, *, split: Optional[str] = None, o
             todo = [(f"{t.id}#{e}", t) for t in suite.tasks for e in range(int(config.rollout.episodes_per_task))]
             todo = [(i, t) for i, t in todo if i not in done]
             bar = tqdm(total=len(todo), desc=f"{name}episodes", disable=not config.progress)
-            size = int(config.rollout.batch_size)
-            for start in range(0, len(todo), size):  # judge each batch at once (concurrent model judges)
-                batch = list(engine.run(todo[start:start + size]))
+            size, batch = int(config.rollout.batch_size), []
+
+            def judge_and_store(batch):  # a batch at once: model judges run concurrently
                 for trajectory in judging.judge([(tasks_by_id[t.query_id], t) for t in batch]):
                     store.append(trajectory)
                 bar.update(len(batch))
+
+            for trajectory in engine.run(todo):
+                batch.append(trajectory)
+                if len(batch) == size:
+                    judge_and_store(batch)
+                    batch = []
+            if batch:
+                judge_and_store(batch)
         bar.close()
     finally:
         engine.close()

@@ -62,7 +62,8 @@ class Generation:
     (e.g. a newline glued to `>`) — it is part of the model's context all the same. EOS and
     other special tokens contribute no text.
 
-    finish_reason: `stop` (a stop string completed), `eos` (a stop token id was sampled),
+    finish_reason: `running` (not finished yet: `generate` returned early, see its `max_steps`
+    and `return_on_finish`; `text` is None), `stop` (a stop string completed), `eos` (a stop token id was sampled),
     `length` (max_new_tokens reached; also rows given max_new_tokens=0), `context` (the row
     reached the context limit, or the cache could not grow further).
     """
@@ -74,6 +75,7 @@ class Generation:
     text: Optional[str] = None
     stop_string: Optional[str] = None
     text_after_stop: str = ""
+    stop_state: int = 0  # the stop-string automaton's state, for continuing a `running` row
 
 
 def bucket(n: int, minimum: int = 1, multiple: int = 1) -> int:

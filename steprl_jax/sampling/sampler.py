@@ -129,6 +129,29 @@ def _take_rows_impl(constrain, rows, cache, last_token):
     return constrain(cache), last_token[rows]
 
 
+def _clear_impl(constrain, mask_b, cache):
+    slot_pos = jnp.where(mask_b[:, None], -1, cache.slot_pos)
+    return constrain(KVCache(cache.k, cache.v, slot_pos, cache.index))
+
+
+def _insert_impl(constrain, cache, last_b, fresh, fresh_last, target_rows, at):
+    """Rows `target_rows[j]` of `cache` become `fresh` row j, its slots written at [at, at + width):
+    their old slots are emptied; the other rows' slots there are unwritten (empty) already."""
+    width = fresh.slot_pos.shape[1]
+    hit_b = jnp.zeros(cache.slot_pos.shape[0], bool).at[target_rows].set(True, mode="drop")
+
+    def put(big, small, axis):
+        region = jax.lax.dynamic_slice_in_dim(big, at, width, axis=axis)
+        region = region.at[target_rows].set(small, mode="drop")
+        return jax.lax.dynamic_update_slice_in_dim(big, region, at, axis=axis)
+
+    slot_pos = put(jnp.where(hit_b[:, None], -1, cache.slot_pos), fresh.slot_pos, 1)
+    k = tuple(put(x, y.astype(x.dtype), 2) for x, y in zip(cache.k, fresh.k))
+    v = tuple(put(x, y.astype(x.dtype), 2) for x, y in zip(cache.v, fresh.v))
+    last_b = last_b.at[target_rows].set(fresh_last, mode="drop")
+    return constrain(KVCache(k, v, slot_pos, (at + width).astype(jnp.int32))), last_b
+
+
 def _resize_impl(constrain, new_length: int, cache):
     pad = new_length - cache.length
     widths = ((0, 0), (0, 0), (0, pad), (0, 0))
@@ -172,23 +195,26 @@ def _filter_logits(program: DecodeProgram, z_bv, top_p):
 
 
 def _decode_impl(graphdef, constrain, params, layer_params, unembed_vd, cache, last_b, length_b, max_new_b, keys_b,
-                 temperature, top_p, stop_table, *, program: DecodeProgram):
+                 n0_b, auto0_b, limit, return_on_finish, temperature, top_p, stop_table, *, program: DecodeProgram):
+    """Decode until every row is done, or `limit` steps, or (`return_on_finish`) a row finishes.
+    A row resumes an action of `n0_b` tokens in stop-automaton state `auto0_b`; rows still
+    running at the end keep reason RUNNING unless the cache ran out of slots (CONTEXT)."""
     model = nnx.merge(graphdef, params)
     config = model.config
     B, M = program.batch, program.max_new
     compute_dtype = jnp.dtype(config.compute_dtype)
-    steps = jnp.minimum(M, cache.length - cache.index)  # cache slots left
+    slots = cache.length - cache.index
+    steps = jnp.minimum(jnp.minimum(M, limit), slots)
     stop_ids = jnp.asarray(program.stop_ids or (-1,), jnp.int32)
-    done0 = max_new_b <= 0
-    zeros_b = jnp.zeros((B,), jnp.int32)
+    done0 = max_new_b <= n0_b
     carry0 = dict(
-        i=jnp.zeros((), jnp.int32), cache=cache, tok=last_b, length=length_b, done=done0,
-        auto=zeros_b, n=zeros_b, reason=jnp.where(done0, LENGTH, RUNNING).astype(jnp.int32),
+        i=jnp.zeros((), jnp.int32), cache=cache, tok=last_b, length=length_b, done=done0, finished=jnp.bool_(False),
+        auto=auto0_b, n=n0_b, reason=jnp.where(done0, LENGTH, RUNNING).astype(jnp.int32),
         out_tok=jnp.zeros((B, M), jnp.int32), out_lp=jnp.zeros((B, M), jnp.float32),
         out_ent=jnp.zeros((B, M if program.with_entropy else 0), jnp.float32))
 
     def cond(c):
-        return (c["i"] < steps) & ~jnp.all(c["done"])
+        return (c["i"] < steps) & ~jnp.all(c["done"]) & ~(return_on_finish & c["finished"])
 
     def body(c):
         active_b = ~c["done"]
@@ -205,7 +231,7 @@ def _decode_impl(graphdef, constrain, params, layer_params, unembed_vd, cache, l
             new_b = choice_b if ids_bc is None else jnp.take_along_axis(ids_bc, choice_b[:, None], 1)[:, 0]
         lp_b, ent_b = stats_from_scaled_logits(z_bv, new_b, program.with_entropy)
         rows = jnp.arange(B)
-        col_b = jnp.where(active_b, c["n"], M)  # finished rows write out of bounds: dropped
+        col_b = jnp.where(active_b, c["n"] - n0_b, M)  # finished rows write out of bounds: dropped
         out = dict(out_tok=c["out_tok"].at[rows, col_b].set(new_b, mode="drop"),
                    out_lp=c["out_lp"].at[rows, col_b].set(lp_b, mode="drop"))
         out["out_ent"] = (c["out_ent"].at[rows, col_b].set(ent_b, mode="drop")
@@ -225,13 +251,15 @@ def _decode_impl(graphdef, constrain, params, layer_params, unembed_vd, cache, l
         finished = active_b & (reason_now != RUNNING)
         return dict(
             i=c["i"] + 1, cache=constrain(new_cache), tok=tok, length=length,
-            done=c["done"] | finished, auto=jnp.where(active_b, auto_b, c["auto"]), n=n_b,
+            done=c["done"] | finished, finished=c["finished"] | jnp.any(finished),
+            auto=jnp.where(active_b, auto_b, c["auto"]), n=n_b,
             reason=jnp.where(finished, reason_now, c["reason"]), **out)
 
     c = jax.lax.while_loop(cond, body, carry0)
     # Rows still running when the cache ran out of slots finish with reason `context`.
-    reason = jnp.where(c["done"], c["reason"], CONTEXT)
-    return (c["cache"], c["tok"], c["out_tok"], c["out_lp"], c["out_ent"], c["n"], reason)
+    out_of_slots = (c["i"] >= slots) & (slots < jnp.minimum(M, limit))
+    reason = jnp.where(c["done"], c["reason"], jnp.where(out_of_slots, CONTEXT, RUNNING))
+    return (c["cache"], c["tok"], c["out_tok"], c["out_lp"], c["out_ent"], c["n"], c["auto"], reason)
 
 
 # ----------------------------------------------------------------------------- the sampler
@@ -315,6 +343,8 @@ class Sampler:
                                    static_argnames="program", donate_argnames="cache")
         self._take_rows_jit = jax.jit(functools.partial(_take_rows_impl, constrain))
         self._resize_jit = jax.jit(functools.partial(_resize_impl, constrain), static_argnums=0)
+        self._clear_jit = jax.jit(functools.partial(_clear_impl, constrain), donate_argnums=1)
+        self._insert_jit = jax.jit(functools.partial(_insert_impl, constrain), donate_argnums=(0, 1))
         self._compact_jit = jax.jit(functools.partial(_compact_impl, constrain), static_argnums=0)
         self._unstack_jit = jax.jit(lambda state: nnx.merge(self._graphdef, state).layers.unstacked())
         self.set_params(model)
@@ -518,7 +548,9 @@ class Sampler:
 
     def generate(self, state: SamplerState, key, *, max_new_tokens: Union[int, Sequence[int]],
                  params: SamplingParams = SamplingParams(), stop: Sequence[str] = (),
-                 stop_token_ids: Optional[Sequence[int]] = None) -> tuple[SamplerState, list]:
+                 stop_token_ids: Optional[Sequence[int]] = None,
+                 running: Optional[Sequence[Optional[Generation]]] = None, max_steps: Optional[int] = None,
+                 return_on_finish: bool = False) -> tuple[SamplerState, list]:
         """Generate up to `max_new_tokens` per row, in one jitted loop; returns (state, generations).
 
         Args:
@@ -527,14 +559,30 @@ class Sampler:
           params: `SamplingParams` (greedy / temperature / top-k / top-p / entropies).
           stop: stop strings (needs a tokenizer); a row stops when its generated text contains one.
           stop_token_ids: ids that end a row (reason `eos`); default: the model's EOS ids.
+          max_steps: return after at most this many decode steps; rows not finished by then come
+            back with finish_reason `running` (continue them by passing them in `running`).
+          return_on_finish: also return as soon as any row finishes (continuous batching: its
+            row can take other work while the others go on).
+          running: per row, None or a `running` Generation from an earlier call to continue:
+            its tokens count against `max_new_tokens`, its stop strings may straddle the calls,
+            and its t-th token uses `fold_in(row_key, t)` as if generated in one call. Give
+            such a row the same key in every call.
 
         Returns the new state (every sampled token, the last one pending) and one `Generation`
-        per row. The loop runs until every row is done; finished rows stop contributing.
+        per row (a continued row's holds all its tokens so far). Without `max_steps` and
+        `return_on_finish`, the loop runs until every row is done.
         """
         n = state.num_rows
         max_new = np.broadcast_to(np.asarray(max_new_tokens, np.int64), (n,)).copy()
         if max_new.min(initial=0) < 0:
             raise ValueError(f"generate: max_new_tokens must be >= 0, got {max_new_tokens}")
+        if running is not None and len(running) != n:
+            raise ValueError(f"generate: got {len(running)} running generations for {n} rows")
+        if max_steps is not None and int(max_steps) < 1:
+            raise ValueError(f"generate: max_steps must be >= 1, got {max_steps}")
+        running = [g if g is not None and g.finish_reason == "running" else None for g in (running or [None] * n)]
+        n0 = np.asarray([0 if g is None else len(g.tokens) for g in running], np.int64)
+        auto0 = np.asarray([0 if g is None else g.stop_state for g in running], np.int64)
         stop = tuple(stop)
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"generate: stop strings must be non-empty str, got {stop!r}")
@@ -544,46 +592,100 @@ class Sampler:
         self._check_ids(np.asarray(stop_ids, np.int64), "generate: stop_token_ids")
         # Rows at the context limit cannot sample; the others are capped by it (reason `context`).
         room = self.max_context - state.lengths
-        needed = int(np.minimum(max_new, np.maximum(room, 0)).max(initial=0))
-        state, _ = self._ensure_capacity(state, max(needed, 1))
+        remaining = np.maximum(max_new - n0, 0)
+        wanted = int(remaining.max(initial=1))
+        limit = wanted if max_steps is None else min(int(max_steps), wanted)
+        needed = int(np.minimum(remaining, np.maximum(room, 0)).max(initial=0))
+        state, _ = self._ensure_capacity(state, max(min(needed, limit), 1))
         state = self._widen(state, self._batch_bucket(self.min_decode_batch))
         B = state.batch_bucket
         max_new_b = np.zeros(B, np.int32)
         max_new_b[:n] = max_new
-        at_limit = (room <= 0) & (max_new > 0)
-        max_new_b[:n][at_limit] = 0
+        at_limit = (room <= 0) & (remaining > 0)
+        max_new_b[:n][at_limit] = n0[at_limit]
         length_b = np.ones(B, np.int32)
         length_b[:n] = state.lengths
+        n0_b, auto0_b = np.zeros(B, np.int32), np.zeros(B, np.int32)
+        n0_b[:n], auto0_b[:n] = n0, auto0
         table, states = self._stop_table(stop)
         program = DecodeProgram(
-            batch=B, cache_length=state.cache_length, max_new=bucket(max(int(max_new.max(initial=1)), 1), 16),
+            batch=B, cache_length=state.cache_length, max_new=bucket(max(limit, 1), 16),
             greedy=params.greedy, top_k=int(params.top_k), top_p=params.top_p < 1.0,
             with_entropy=params.with_entropy, stop_ids=tuple(sorted(set(stop_ids))), stop_states=states,
             max_context=self.max_context)
         self._note("decode", program)
         keys = self._row_keys(key, n, B)
-        cache, last, out_tok, out_lp, out_ent, n_gen, reason = self._decode_jit(
+        cache, last, out_tok, out_lp, out_ent, n_gen, auto, reason = self._decode_jit(
             self._params, self._layer_params, self._unembed, state.cache, state.last_token, self._put_rows(length_b),
-            self._put_rows(max_new_b), keys, jnp.float32(params.temperature), jnp.float32(params.top_p),
+            self._put_rows(max_new_b), keys, self._put_rows(n0_b), self._put_rows(auto0_b), jnp.int32(limit),
+            jnp.bool_(return_on_finish), jnp.float32(params.temperature), jnp.float32(params.top_p),
             table, program=program)
-        out_tok, out_lp, out_ent, n_gen, reason = jax.device_get((out_tok, out_lp, out_ent, n_gen, reason))
-        n_gen = np.asarray(n_gen[:n], np.int64)
+        out_tok, out_lp, out_ent, n_gen, auto, reason = jax.device_get((out_tok, out_lp, out_ent, n_gen, auto, reason))
+        new = np.asarray(n_gen[:n], np.int64) - n0  # tokens generated in this call
         reason = np.asarray(reason[:n]).copy()
         reason[at_limit] = CONTEXT
         last_host = state.last_host.copy()
-        moved = n_gen > 0
-        last_host[moved] = np.asarray(out_tok)[:n][moved, n_gen[moved] - 1]
-        new_state = SamplerState(cache, last, state.lengths + n_gen, state.index + int(n_gen.max(initial=0)), last_host)
+        moved = new > 0
+        last_host[moved] = np.asarray(out_tok)[:n][moved, new[moved] - 1]
+        new_state = SamplerState(cache, last, state.lengths + new, state.index + int(new.max(initial=0)), last_host)
         gens = []
         for b in range(n):
-            k = int(n_gen[b])
-            gen = Generation(tokens=np.asarray(out_tok[b, :k], np.int32), logprobs=np.asarray(out_lp[b, :k]),
-                             finish_reason=FINISH_REASONS[int(reason[b])],
-                             entropies=np.asarray(out_ent[b, :k]) if params.with_entropy else None)
-            if self.tokenizer is not None:
+            k, before = int(new[b]), running[b]
+            tokens, logprobs = np.asarray(out_tok[b, :k], np.int32), np.asarray(out_lp[b, :k])
+            entropies = np.asarray(out_ent[b, :k]) if params.with_entropy else None
+            if before is not None:
+                tokens, logprobs = np.concatenate([before.tokens, tokens]), np.concatenate([before.logprobs, logprobs])
+                if entropies is not None:
+                    entropies = np.concatenate([before.entropies, entropies])
+            gen = Generation(tokens=tokens, logprobs=logprobs, finish_reason=FINISH_REASONS[int(reason[b])],
+                             entropies=entropies, stop_state=int(auto[b]))
+            if self.tokenizer is not None and gen.finish_reason != "running":
                 self._set_text(gen, stop)
             gens.append(gen)
         return new_state, gens
+
+    def clear(self, state: SamplerState, rows: Sequence[int]) -> SamplerState:
+        """Empty `rows` of `state` (their slots are freed for `compact`; the rows stay, holding
+        nothing but a pending token) so that `insert` can start new prompts in them."""
+        rows = self._check_rows(state, rows, "clear")
+        mask = np.zeros(state.batch_bucket, bool)
+        mask[rows] = True
+        self._note("clear", (state.batch_bucket, state.cache_length))
+        cache = self._clear_jit(self._put_rows(mask), state.cache)
+        lengths = state.lengths.copy()
+        lengths[rows] = 1
+        return dataclasses.replace(state, cache=cache, lengths=lengths)
+
+    def insert(self, state: SamplerState, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> SamplerState:
+        """Start `prompts` in `rows` of a running `state` (what the rows held is dropped); the
+        other rows are untouched. Only the new prompts are computed (a `prefill` of their own,
+        shared prefix once), then their cache rows are copied into `state` at its next slots.
+        Consumes `state`; raises `ContextOverflowError` (state intact) when the cache is full."""
+        rows = self._check_rows(state, rows, "insert")
+        if len(prompts) != rows.size:
+            raise ValueError(f"insert: got {len(prompts)} prompts for {rows.size} rows")
+        if len(set(rows.tolist())) != rows.size:
+            raise ValueError(f"insert: rows repeat: {rows.tolist()}")
+        fresh = self.prefill(prompts)
+        width = fresh.cache_length
+        state, available = self._ensure_capacity(state, width)
+        if available < width:
+            raise ContextOverflowError(f"insert: {width} cache slots needed, {available} free "
+                                       f"(max_cache_length {self.max_cache_length})")
+        target = np.full(fresh.batch_bucket, state.batch_bucket, np.int32)  # padding rows: dropped
+        target[:rows.size] = rows
+        self._note("insert", (state.batch_bucket, state.cache_length, fresh.batch_bucket, width))
+        cache, last = self._insert_jit(state.cache, state.last_token, fresh.cache, fresh.last_token,
+                                       self._put_rows(target), jnp.int32(state.index))
+        lengths, last_host = state.lengths.copy(), state.last_host.copy()
+        lengths[rows], last_host[rows] = fresh.lengths, fresh.last_host
+        return SamplerState(cache, last, lengths, state.index + width, last_host)
+
+    def _check_rows(self, state: SamplerState, rows, what: str) -> np.ndarray:
+        rows = np.asarray(rows, np.int64).reshape(-1)
+        if rows.size and (rows.min() < 0 or rows.max() >= state.num_rows):
+            raise IndexError(f"{what}: rows must be in [0, {state.num_rows}), got {rows.tolist()}")
+        return rows
 
     def decode_text(self, token_ids: Sequence[int]) -> str:
         """Text of token ids as the stop-string detector sees it (special tokens dropped)."""
