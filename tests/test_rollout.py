@@ -254,6 +254,7 @@ def test_continuous_batching_records_equal_the_batch_engines(smol):
         engine.close()
     # Float32 sums over differently laid-out caches differ in the last bits: the rescoring tolerance.
     _same_records(runs[True], runs[False], atol=1e-4)
+    assert engine.stats.inserts == 4  # 7 episodes on 3 rows: 4 started in freed rows
     assert any(s.tool_calls for t in runs[True] for s in t.steps)
     assert len({len(s.action_ids) for t in runs[True] for s in t.steps}) > 1  # actions of different lengths
 
@@ -271,4 +272,5 @@ def test_continuous_sampling_depends_on_the_episode_not_the_schedule():
         runs[continuous] = list(engine.run(tasks))
         engine.close()
     _same_records(runs[True], runs[False], atol=1e-5)
+    assert engine.stats.inserts == 3 and engine.stats.generate_calls >= 3 * 5  # 12 tokens in calls of 5
     assert len({tuple(t.steps[0].action_ids) for t in runs[True]}) == 5  # distinct samples

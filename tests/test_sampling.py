@@ -469,3 +469,40 @@ def test_insert_and_clear_bad_input(sampler):
         sampler.generate(state, jax.random.PRNGKey(0), max_new_tokens=2, running=[None])
     with pytest.raises(ValueError, match="max_steps must be >= 1"):
         sampler.generate(state, jax.random.PRNGKey(0), max_new_tokens=2, max_steps=0)
+
+
+def test_insert_beside_padding_rows_and_after_compaction(model):
+    """Five rows (a batch bucket of 6: one padding row, a copy of row 0 from the shared-prefix
+    prefill) and a capped cache: clearing row 0, inserting short prompts, compacting and
+    inserting again keep every row's tokens equal to a fresh prefill of its context."""
+    capped = Sampler(model, ByteTokenizer(model.config.vocab_size), max_cache_length=128, min_cache_length=32)
+    compactions = []
+    capped._compact_jit = lambda n, cache, _f=capped._compact_jit: compactions.append(n) or _f(n, cache)
+    shared = list(range(40, 80))
+    prompts = [shared + [i] for i in range(5)]
+    state = capped.prefill(prompts)
+    assert state.batch_bucket == 6
+    state, gens = capped.generate(state, jax.random.PRNGKey(0), max_new_tokens=20, params=GREEDY)
+    contexts = [p + g.tokens.tolist() for p, g in zip(prompts, gens)]
+    for round_ in range(3):  # each round: a row ends, a short prompt takes it; the cache compacts
+        row = round_ % 5
+        state = capped.clear(state, [row])
+        contexts[row] = [7 + round_, 8, 9]
+        state = capped.insert(state, [row], [contexts[row]])
+        state, gens = capped.generate(state, jax.random.PRNGKey(0), max_new_tokens=16, params=GREEDY)
+        contexts = [c + g.tokens.tolist() for c, g in zip(contexts, gens)]
+    assert state.cache_length <= 128 and 128 in compactions  # the running cache was compacted
+    _, after = capped.generate(state, jax.random.PRNGKey(0), max_new_tokens=8, params=GREEDY)
+    _, fresh = capped.generate(capped.prefill(contexts), jax.random.PRNGKey(0), max_new_tokens=8, params=GREEDY)
+    assert [g.tokens.tolist() for g in after] == [g.tokens.tolist() for g in fresh]
+
+
+def test_insert_into_a_full_cache_raises_and_leaves_the_state_intact(model):
+    capped = Sampler(model, max_cache_length=64, min_cache_length=32)
+    state = capped.prefill([list(range(10, 60)), [3, 4]])
+    with pytest.raises(ContextOverflowError, match="insert: 32 cache slots needed"):
+        capped.insert(state, [1], [list(range(5, 30))])
+    _, gens = capped.generate(state, jax.random.PRNGKey(0), max_new_tokens=4, params=GREEDY)
+    _, ref = capped.generate(capped.prefill([list(range(10, 60)), [3, 4]]), jax.random.PRNGKey(0),
+                             max_new_tokens=4, params=GREEDY)
+    assert [g.tokens.tolist() for g in gens] == [g.tokens.tolist() for g in ref]

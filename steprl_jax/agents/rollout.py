@@ -75,6 +75,7 @@ class RolloutStats:
     generated_tokens: int = 0
     generate_calls: int = 0
     forks: int = 0
+    inserts: int = 0  # continuous: episodes started in rows freed by others
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -96,6 +97,7 @@ class _Branch:
     final_answer: Optional[str] = None
     future: Optional[concurrent.futures.Future] = None
     key: Optional[np.ndarray] = None  # the episode's key (`run`); None: keys split per call (trees)
+    episode: int = -1  # continuous: the episode's index in `run`'s input
     partial: Optional[object] = None  # continuous: the action being generated (a `running` Generation)
     generate_s: float = 0.0  # continuous: this action's share of the generation calls so far
 
@@ -167,62 +169,73 @@ class RolloutEngine:
         left_of_task = collections.Counter(task.id for _, task in episodes)  # release a task after its last
         rows: list[Optional[_Branch]] = []  # the branch on each cache row; None: free
         prompts: dict = {}  # episode index -> (text, ids)
-        index_of: dict = {}  # id(branch) -> episode index
         state, waiting, admit = None, [], True
 
         def start(i, row):
             prompts[i] = self.prompt(episodes[i][1])
-            branch = _Branch(episodes[i][1], row, [], [], len(prompts[i][1]), key=keys[i])
-            index_of[id(branch)] = i
-            return branch
+            if len(prompts[i][1]) > self._max_context:
+                raise ContextOverflowError(f"episode {episodes[i][0]!r}: its prompt has {len(prompts[i][1])} tokens, "
+                                           f"more than the context limit {self._max_context}")
+            return _Branch(episodes[i][1], row, [], [], len(prompts[i][1]), key=keys[i], episode=i)
 
-        while queue or any(b is not None for b in rows):
-            free = [r for r, b in enumerate(rows) if b is None]
-            if queue and admit and (state is None or free):
-                take = [queue.popleft() for _ in range(min(len(queue), len(free) if state else c.batch_size))]
-                targets = free[:len(take)] if state is not None else list(range(len(take)))
-                new = [start(i, row) for i, row in zip(take, targets)]
-                if state is None:
-                    state, rows = self._prefill([prompts[i][1] for i in take]), new
-                else:
-                    try:
-                        state = self._insert(state, targets, [prompts[i][1] for i in take])
-                        for b in new:
-                            rows[b.row] = b
-                    except ContextOverflowError:  # the cache is full: wait until an episode ends
-                        if not any(b is not None for b in rows):
-                            raise
-                        queue.extendleft(reversed(take))
-                        admit = False
-            generating = [b for b in rows if b is not None and b.future is None and not b.done]
-            if generating:
-                state = self._generate_chunk(state, generating)
-                waiting += [b for b in generating if b.future is not None]
-            if not waiting:
-                continue
-            if not any(b is not None and b.future is None and not b.done for b in rows):
-                # Nothing to decode until a tool returns.
-                t0 = time.perf_counter()
-                concurrent.futures.wait([b.future for b in waiting], return_when=concurrent.futures.FIRST_COMPLETED)
-                time.sleep(c.coalesce_s)  # let near-simultaneous tools join the next call
-                self.stats.tool_wait_s += time.perf_counter() - t0
-            finished = [b for b in waiting if b.future.done()]
-            if not finished:
-                continue
-            waiting = [b for b in waiting if not b.future.done()]
-            live = [b for b in rows if b is not None]
-            state = self._append_observations(state, finished, live, renumber=False)
-            ended = [b for b in live if b.done and b.future is None]
-            if ended:
-                state = self.sampler.clear(state, [b.row for b in ended])
-                admit = True
-            for branch in ended:
-                rows[branch.row] = None
-                i = index_of.pop(id(branch))
-                yield _trajectory(episodes[i], prompts.pop(i), branch)
-                left_of_task[branch.task.id] -= 1
-                if not left_of_task[branch.task.id]:
-                    self.env.release(branch.task)
+        def end(branches):  # free their rows; release a task after its last episode
+            nonlocal state, admit
+            state = self.sampler.clear(state, [b.row for b in branches])
+            admit = True
+            out = []
+            for b in branches:
+                rows[b.row] = None
+                out.append(_trajectory(episodes[b.episode], prompts.pop(b.episode), b))
+                left_of_task[b.task.id] -= 1
+                if not left_of_task[b.task.id]:
+                    self.env.release(b.task)
+            return out
+
+        try:
+            while queue or any(b is not None for b in rows):
+                free = [r for r, b in enumerate(rows) if b is None]
+                if queue and admit and (state is None or free):
+                    take = [queue.popleft() for _ in range(min(len(queue), c.batch_size if state is None else len(free)))]
+                    new = [start(i, row) for i, row in zip(take, free if state is not None else range(len(take)))]
+                    if state is None:
+                        state, rows = self._prefill([prompts[b.episode][1] for b in new]), new
+                    else:
+                        try:
+                            state = self._insert(state, [b.row for b in new], [prompts[b.episode][1] for b in new])
+                            for b in new:
+                                rows[b.row] = b
+                        except ContextOverflowError:  # the cache is full: wait until an episode ends
+                            if not any(b is not None for b in rows):
+                                raise
+                            queue.extendleft(reversed(take))
+                            admit = False
+                generating = [b for b in rows if b is not None and b.future is None and not b.done]
+                if generating:
+                    state = self._generate_chunk(state, generating)
+                    waiting += [b for b in generating if b.future is not None]
+                if not waiting:
+                    continue
+                if not any(b is not None and b.future is None and not b.done for b in rows):
+                    # Nothing to decode until a tool returns.
+                    t0 = time.perf_counter()
+                    concurrent.futures.wait([b.future for b in waiting], return_when=concurrent.futures.FIRST_COMPLETED)
+                    time.sleep(c.coalesce_s)  # let near-simultaneous tools join the next call
+                    self.stats.tool_wait_s += time.perf_counter() - t0
+                finished, waiting = _split_done(waiting)
+                if not finished:
+                    continue
+                for b in finished:
+                    b.future.result()  # re-raise a bug in host code here, not silently
+                # Episodes that ended with this action leave first: their slots are free for the appends.
+                yield from end([b for b in finished if b.done])
+                pending = [b for b in finished if not b.done]
+                if pending:
+                    state = self._append_observations(state, pending, [b for b in rows if b is not None],
+                                                      renumber=False)
+                    yield from end([b for b in pending if b.done])  # observations that did not fit
+        finally:
+            for task in {episodes[i][1].id: episodes[i][1] for i in prompts}.values():
+                self.env.release(task)  # episodes in flight when the consumer stopped
 
     def _insert(self, state, rows: list[int], prompt_ids: list):
         t0 = time.perf_counter()
@@ -230,6 +243,7 @@ class RolloutEngine:
         jax.block_until_ready(state.cache)  # so that the prefill is timed as prefill
         self.stats.prefill_s += time.perf_counter() - t0
         self.stats.prefill_tokens += sum(len(ids) for ids in prompt_ids)
+        self.stats.inserts += len(rows)
         return state
 
     def _generate_chunk(self, state, rows: list[_Branch]):
@@ -273,9 +287,8 @@ class RolloutEngine:
                 done, _ = concurrent.futures.wait([b.future for b in waiting],
                                                   return_when=concurrent.futures.FIRST_COMPLETED)
                 time.sleep(self.config.coalesce_s)  # let near-simultaneous tools join this call
-                finished = [b for b in waiting if b.future.done()]
+                finished, waiting = _split_done(waiting)
                 self.stats.tool_wait_s += time.perf_counter() - t0
-                waiting = [b for b in waiting if not b.future.done()]
                 state = self._append_observations(state, finished, branches)
                 ready = [b for b in finished if not b.done]
         return state
@@ -364,9 +377,9 @@ class RolloutEngine:
 
         All rows share cache slot indices, so an append is bounded by the longest row in the state,
         finished rows included. When it does not fit, the finished rows are dropped (live rows
-        renumbered; not with `renumber=False`, where finished rows are cleared instead) and it is
-        tried again; a branch whose observation still does not fit ends with termination
-        "context", like one whose generation does not fit.
+        renumbered; with `renumber=False` the caller has cleared them already) and it is tried
+        again; a branch whose observation still does not fit ends with termination "context",
+        like one whose generation does not fit.
         """
         pending = []
         for branch in branches:
@@ -613,6 +626,12 @@ class RolloutEngine:
             return state
         self.stats.forks += 1
         return self.sampler.fork(state, rows)
+
+
+def _split_done(waiting: list[_Branch]) -> tuple[list, list]:
+    """(branches whose tools are done, the others), from one look at each future."""
+    done = [b.future.done() for b in waiting]
+    return [b for b, d in zip(waiting, done) if d], [b for b, d in zip(waiting, done) if not d]
 
 
 @jax.jit

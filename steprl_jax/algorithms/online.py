@@ -307,9 +307,10 @@ class OnlineLoop:
                                              entropy_tokens=int(a.entropy_tokens), seed=seed))
         episodes = [(f"{tree_id}#{e}", task) for tree_id, task in zip(ids, tasks) for e in range(n)]
         by_tree = collections.defaultdict(list)
-        for trajectory in self.engine.run(episodes):
+        for trajectory in self.engine.run(episodes):  # in the order they end
             by_tree[trajectory.id.rsplit("#", 1)[0]].append(trajectory)
-        return [TreeRecord.from_group(tree_id, by_tree[tree_id]) for tree_id in ids]
+        return [TreeRecord.from_group(tree_id, sorted(by_tree[tree_id], key=lambda t: int(t.id.rsplit("#", 1)[1])))
+                for tree_id in ids]
 
     def judge(self, trees: Sequence[TreeRecord]) -> None:
         """Outcome verdicts of every leaf of `trees` in one batched call (model judges run

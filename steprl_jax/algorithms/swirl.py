@@ -268,7 +268,8 @@ def filter_stage(config, model=None, tokenizer=None) -> dict:
     source = _path(config, "judged.jsonl")
     if not os.path.exists(source):
         raise FileNotFoundError(f"{source}: no judged trajectories; run the 'judge' stage first")
-    trajectories = [r for r in RecordStore(source) if isinstance(r, Trajectory)]
+    # By id: the collection writes episodes as they end, an order that depends on timing.
+    trajectories = sorted((r for r in RecordStore(source) if isinstance(r, Trajectory)), key=lambda r: r.id)
     units, stats = filter_units(trajectories, config.swirl.filter, config.swirl.granularity,
                                 bool(config.swirl.drop_easy))
     path = units_path(config)

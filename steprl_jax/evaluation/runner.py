@@ -85,7 +85,7 @@ def evaluate(config, model_and_tokenizer=None, *, split: Optional[str] = None, o
         engine.close()
     wall_s = time.perf_counter() - started
 
-    records = store.load()
+    records = sorted(store.load(), key=lambda r: r.id)  # episodes are stored as they end: timing order
     trajectories = [r for r in records if isinstance(r, Trajectory)]
     for record in records:
         if isinstance(record, TreeRecord):

@@ -134,11 +134,12 @@ def _clear_impl(constrain, mask_b, cache):
     return constrain(KVCache(cache.k, cache.v, slot_pos, cache.index))
 
 
-def _insert_impl(constrain, cache, last_b, fresh, fresh_last, target_rows, at):
+def _insert_impl(constrain, cache, last_b, fresh, fresh_last, target_rows, real_b, at):
     """Rows `target_rows[j]` of `cache` become `fresh` row j, its slots written at [at, at + width):
-    their old slots are emptied; the other rows' slots there are unwritten (empty) already."""
+    their old slots are emptied, and so are the padding rows' (~real_b, see `Sampler.clear`); the
+    other rows' slots there are unwritten (empty) already."""
     width = fresh.slot_pos.shape[1]
-    hit_b = jnp.zeros(cache.slot_pos.shape[0], bool).at[target_rows].set(True, mode="drop")
+    hit_b = jnp.zeros(cache.slot_pos.shape[0], bool).at[target_rows].set(True, mode="drop") | ~real_b
 
     def put(big, small, axis):
         region = jax.lax.dynamic_slice_in_dim(big, at, width, axis=axis)
@@ -650,6 +651,9 @@ class Sampler:
         rows = self._check_rows(state, rows, "clear")
         mask = np.zeros(state.batch_bucket, bool)
         mask[rows] = True
+        # Padding rows (copies of row 0 from a fork or a widening) are emptied too: once real rows
+        # can shrink, a padding row must never hold more slots than they do (see `compact`).
+        mask[state.num_rows:] = True
         self._note("clear", (state.batch_bucket, state.cache_length))
         cache = self._clear_jit(self._put_rows(mask), state.cache)
         lengths = state.lengths.copy()
@@ -666,17 +670,25 @@ class Sampler:
             raise ValueError(f"insert: got {len(prompts)} prompts for {rows.size} rows")
         if len(set(rows.tolist())) != rows.size:
             raise ValueError(f"insert: rows repeat: {rows.tolist()}")
-        fresh = self.prefill(prompts)
-        width = fresh.cache_length
+        longest = max((len(p) for p in prompts), default=0)
+        if not longest or longest > self.max_context:
+            self.prefill(prompts)  # raises the error that names the prompt at fault
+        # The new rows take bucket(longest - 1) slots of every row: check before computing anything.
+        width = bucket(max(longest - 1, 1), self.min_extend_length)
         state, available = self._ensure_capacity(state, width)
         if available < width:
             raise ContextOverflowError(f"insert: {width} cache slots needed, {available} free "
                                        f"(max_cache_length {self.max_cache_length})")
+        fresh = self.prefill(prompts)
+        if fresh.cache_length != width:  # squeeze its filled slots into exactly `width` (at the end)
+            self._note("compact", (fresh.batch_bucket, fresh.cache_length, width))
+            fresh = dataclasses.replace(fresh, cache=self._compact_jit(width, fresh.cache))
         target = np.full(fresh.batch_bucket, state.batch_bucket, np.int32)  # padding rows: dropped
         target[:rows.size] = rows
         self._note("insert", (state.batch_bucket, state.cache_length, fresh.batch_bucket, width))
+        real = np.arange(state.batch_bucket) < state.num_rows
         cache, last = self._insert_jit(state.cache, state.last_token, fresh.cache, fresh.last_token,
-                                       self._put_rows(target), jnp.int32(state.index))
+                                       self._put_rows(target), self._put_rows(real), jnp.int32(state.index))
         lengths, last_host = state.lengths.copy(), state.last_host.copy()
         lengths[rows], last_host[rows] = fresh.lengths, fresh.last_host
         return SamplerState(cache, last, lengths, state.index + width, last_host)
