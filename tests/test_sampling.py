@@ -491,7 +491,7 @@ def test_insert_beside_padding_rows_and_after_compaction(model):
         state = capped.insert(state, [row], [contexts[row]])
         state, gens = capped.generate(state, jax.random.PRNGKey(0), max_new_tokens=16, params=GREEDY)
         contexts = [c + g.tokens.tolist() for c, g in zip(contexts, gens)]
-    assert state.cache_length <= 128 and 128 in compactions  # the running cache was compacted
+    assert state.cache_length <= 128 and max(compactions) >= 96  # the running cache was compacted
     _, after = capped.generate(state, jax.random.PRNGKey(0), max_new_tokens=8, params=GREEDY)
     _, fresh = capped.generate(capped.prefill(contexts), jax.random.PRNGKey(0), max_new_tokens=8, params=GREEDY)
     assert [g.tokens.tolist() for g in after] == [g.tokens.tolist() for g in fresh]
@@ -500,9 +500,30 @@ def test_insert_beside_padding_rows_and_after_compaction(model):
 def test_insert_into_a_full_cache_raises_and_leaves_the_state_intact(model):
     capped = Sampler(model, max_cache_length=64, min_cache_length=32)
     state = capped.prefill([list(range(10, 60)), [3, 4]])
-    with pytest.raises(ContextOverflowError, match="insert: 32 cache slots needed"):
+    with pytest.raises(ContextOverflowError, match="insert: 24 cache slots needed, 15 free"):
         capped.insert(state, [1], [list(range(5, 30))])
     _, gens = capped.generate(state, jax.random.PRNGKey(0), max_new_tokens=4, params=GREEDY)
     _, ref = capped.generate(capped.prefill([list(range(10, 60)), [3, 4]]), jax.random.PRNGKey(0),
                              max_new_tokens=4, params=GREEDY)
     assert [g.tokens.tolist() for g in gens] == [g.tokens.tolist() for g in ref]
+
+
+def test_appending_to_a_few_rows_computes_those_rows_only_with_the_same_results(model, sampler):
+    prompts = PROMPTS + [[30, 31, 32]]
+    state = sampler.prefill(prompts)
+    state, gens = sampler.generate(state, jax.random.PRNGKey(0), max_new_tokens=5, params=GREEDY)
+    extends = []
+    sampler_extend = sampler._extend_jit
+    sampler._extend_jit = lambda *a, program: extends.append(program) or sampler_extend(*a, program=program)
+    try:
+        state = sampler.append(state, [[], [], [40, 41, 42], []])
+    finally:
+        sampler._extend_jit = sampler_extend
+    assert [p.batch for p in extends] == [1]  # one row computed, not the batch of 4
+    contexts = [p + g.tokens.tolist() for p, g in zip(prompts, gens)]
+    contexts[2] += [40, 41, 42]
+    assert state.lengths.tolist() == [len(c) for c in contexts]
+    _, after = sampler.generate(state, jax.random.PRNGKey(0), max_new_tokens=6, params=GREEDY)
+    _, fresh = sampler.generate(sampler.prefill(contexts), jax.random.PRNGKey(0), max_new_tokens=6, params=GREEDY)
+    assert [g.tokens.tolist() for g in after] == [g.tokens.tolist() for g in fresh]
+    np.testing.assert_allclose(after[2].logprobs, fresh[2].logprobs, atol=1e-5)

@@ -134,22 +134,20 @@ def _clear_impl(constrain, mask_b, cache):
     return constrain(KVCache(cache.k, cache.v, slot_pos, cache.index))
 
 
-def _insert_impl(constrain, cache, last_b, fresh, fresh_last, target_rows, real_b, at):
-    """Rows `target_rows[j]` of `cache` become `fresh` row j, its slots written at [at, at + width):
-    their old slots are emptied, and so are the padding rows' (~real_b, see `Sampler.clear`); the
-    other rows' slots there are unwritten (empty) already."""
-    width = fresh.slot_pos.shape[1]
-    hit_b = jnp.zeros(cache.slot_pos.shape[0], bool).at[target_rows].set(True, mode="drop") | ~real_b
-
+def _write_rows_impl(constrain, width: int, cache, last_b, src, src_last, target_rows, clear_b, at, src_at):
+    """Rows `target_rows[j]` of `cache` take `src` row j's slots [src_at, src_at + width), written at
+    [at, at + width), and its pending token (targets >= the batch: dropped). Rows in `clear_b`
+    are emptied first. The other rows' slots there are unwritten (empty) already."""
     def put(big, small, axis):
         region = jax.lax.dynamic_slice_in_dim(big, at, width, axis=axis)
-        region = region.at[target_rows].set(small, mode="drop")
+        new = jax.lax.dynamic_slice_in_dim(small, src_at, width, axis=axis)
+        region = region.at[target_rows].set(new.astype(big.dtype), mode="drop")
         return jax.lax.dynamic_update_slice_in_dim(big, region, at, axis=axis)
 
-    slot_pos = put(jnp.where(hit_b[:, None], -1, cache.slot_pos), fresh.slot_pos, 1)
-    k = tuple(put(x, y.astype(x.dtype), 2) for x, y in zip(cache.k, fresh.k))
-    v = tuple(put(x, y.astype(x.dtype), 2) for x, y in zip(cache.v, fresh.v))
-    last_b = last_b.at[target_rows].set(fresh_last, mode="drop")
+    slot_pos = put(jnp.where(clear_b[:, None], -1, cache.slot_pos), src.slot_pos, 1)
+    k = tuple(put(x, y, 2) for x, y in zip(cache.k, src.k))
+    v = tuple(put(x, y, 2) for x, y in zip(cache.v, src.v))
+    last_b = last_b.at[target_rows].set(src_last, mode="drop")
     return constrain(KVCache(k, v, slot_pos, (at + width).astype(jnp.int32))), last_b
 
 
@@ -345,7 +343,8 @@ class Sampler:
         self._take_rows_jit = jax.jit(functools.partial(_take_rows_impl, constrain))
         self._resize_jit = jax.jit(functools.partial(_resize_impl, constrain), static_argnums=0)
         self._clear_jit = jax.jit(functools.partial(_clear_impl, constrain), donate_argnums=1)
-        self._insert_jit = jax.jit(functools.partial(_insert_impl, constrain), donate_argnums=(0, 1))
+        self._write_rows_jit = jax.jit(functools.partial(_write_rows_impl, constrain), static_argnums=0,
+                                       donate_argnums=(1, 2))
         self._compact_jit = jax.jit(functools.partial(_compact_impl, constrain), static_argnums=0)
         self._unstack_jit = jax.jit(lambda state: nnx.merge(self._graphdef, state).layers.unstacked())
         self.set_params(model)
@@ -500,6 +499,29 @@ class Sampler:
                     f"context limit {self.max_context}")
         if not any(t.size for t in lists):
             return state
+        active = np.asarray([i for i, t in enumerate(lists) if t.size], np.int64)
+        if self._batch_bucket(active.size) * 2 <= state.batch_bucket:
+            # A few rows (e.g. one episode back from its tool): compute those rows only.
+            done = self._append_rows(state, active, lists)
+            if done is not None:
+                return done
+        return self._append_all(state, lists)
+
+    def _append_rows(self, state: SamplerState, rows: np.ndarray, lists: list) -> Optional[SamplerState]:
+        """Append to `rows` only: copy them out (`fork`), extend that small batch, and write their
+        new slots back. None when the cache cannot make room for the padded widths."""
+        total = max(lists[i].size for i in rows)
+        batch = self._batch_bucket(rows.size)
+        _, widths = self._chunks(total, batch, max(state.cache_length, bucket(state.index + total, self.min_cache_length)))
+        state, available = self._ensure_capacity(state, sum(widths))
+        if available < sum(widths):
+            return None
+        small = self._append_all(self.fork(state, rows), [lists[i] for i in rows])
+        clear = np.zeros(state.batch_bucket, bool)
+        return self._write_rows(state, small, rows, small.index - state.index, src_at=state.index, clear=clear,
+                                kind="append-rows")
+
+    def _append_all(self, state: SamplerState, lists: list) -> SamplerState:
         # Feed [pending, t_0 .. t_{n-2}]; t_{n-1} becomes the new pending token.
         last = state.last_host
         feeds, new_last = [], np.zeros(state.batch_bucket, np.int32)
@@ -683,14 +705,23 @@ class Sampler:
         if fresh.cache_length != width:  # squeeze its filled slots into exactly `width` (at the end)
             self._note("compact", (fresh.batch_bucket, fresh.cache_length, width))
             fresh = dataclasses.replace(fresh, cache=self._compact_jit(width, fresh.cache))
-        target = np.full(fresh.batch_bucket, state.batch_bucket, np.int32)  # padding rows: dropped
+        # The target rows' old slots are emptied, and so are the padding rows' (see `clear`).
+        clear = np.arange(state.batch_bucket) >= state.num_rows
+        clear[rows] = True
+        return self._write_rows(state, fresh, rows, width, src_at=0, clear=clear, kind="insert")
+
+    def _write_rows(self, state: SamplerState, src: SamplerState, rows: np.ndarray, width: int, src_at: int,
+                    clear: np.ndarray, kind: str) -> SamplerState:
+        """`state` whose `rows` are `src`'s rows 0.. (slots [src_at, src_at + width) written at
+        `state.index`); see `_write_rows_impl`."""
+        target = np.full(src.batch_bucket, state.batch_bucket, np.int32)  # padding rows: dropped
         target[:rows.size] = rows
-        self._note("insert", (state.batch_bucket, state.cache_length, fresh.batch_bucket, width))
-        real = np.arange(state.batch_bucket) < state.num_rows
-        cache, last = self._insert_jit(state.cache, state.last_token, fresh.cache, fresh.last_token,
-                                       self._put_rows(target), self._put_rows(real), jnp.int32(state.index))
+        self._note(kind, (state.batch_bucket, state.cache_length, src.batch_bucket, src.cache_length, width))
+        cache, last = self._write_rows_jit(width, state.cache, state.last_token, src.cache, src.last_token,
+                                           self._put_rows(target), self._put_rows(clear), jnp.int32(state.index),
+                                           jnp.int32(src_at))
         lengths, last_host = state.lengths.copy(), state.last_host.copy()
-        lengths[rows], last_host[rows] = fresh.lengths, fresh.last_host
+        lengths[rows], last_host[rows] = src.lengths[:rows.size], src.last_host[:rows.size]
         return SamplerState(cache, last, lengths, state.index + width, last_host)
 
     def _check_rows(self, state: SamplerState, rows, what: str) -> np.ndarray:
