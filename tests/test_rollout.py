@@ -255,6 +255,8 @@ def test_continuous_batching_records_equal_the_batch_engines(smol):
     # Float32 sums over differently laid-out caches differ in the last bits: the rescoring tolerance.
     _same_records(runs[True], runs[False], atol=1e-4)
     assert engine.stats.inserts == 4  # 7 episodes on 3 rows: 4 started in freed rows
+    # The worked examples every prompt starts with are computed once, not per inserted episode.
+    assert engine.stats.prefill_tokens < sum(len(t.prompt_ids) for t in runs[True]) - 3 * 100
     assert any(s.tool_calls for t in runs[True] for s in t.steps)
     assert len({len(s.action_ids) for t in runs[True] for s in t.steps}) > 1  # actions of different lengths
 

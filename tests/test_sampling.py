@@ -527,3 +527,18 @@ def test_appending_to_a_few_rows_computes_those_rows_only_with_the_same_results(
     _, fresh = sampler.generate(sampler.prefill(contexts), jax.random.PRNGKey(0), max_new_tokens=6, params=GREEDY)
     assert [g.tokens.tolist() for g in after] == [g.tokens.tolist() for g in fresh]
     np.testing.assert_allclose(after[2].logprobs, fresh[2].logprobs, atol=1e-5)
+
+
+def test_insert_with_a_kept_prefix_equals_a_plain_insert(model, sampler):
+    shared = [50, 51, 52, 53, 54, 55]
+    prefix = (shared, sampler.prefill([shared]))
+    results = []
+    for use in (None, prefix, prefix):  # the prefix state is reusable
+        state = sampler.prefill(PROMPTS)
+        state, _ = sampler.generate(state, jax.random.PRNGKey(1), max_new_tokens=4, params=GREEDY)
+        state = sampler.insert(state, [0, 2], [shared + [7, 8], shared + [9]], prefix=use)
+        _, gens = sampler.generate(state, jax.random.PRNGKey(1), max_new_tokens=8, params=GREEDY)
+        results.append(gens)
+    for gens in results[1:]:
+        assert [g.tokens.tolist() for g in gens] == [g.tokens.tolist() for g in results[0]]
+        np.testing.assert_allclose(gens[0].logprobs, results[0][0].logprobs, atol=1e-5)

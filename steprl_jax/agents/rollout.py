@@ -169,7 +169,7 @@ class RolloutEngine:
         left_of_task = collections.Counter(task.id for _, task in episodes)  # release a task after its last
         rows: list[Optional[_Branch]] = []  # the branch on each cache row; None: free
         prompts: dict = {}  # episode index -> (text, ids)
-        state, waiting, admit = None, [], True
+        state, waiting, admit, prefix = None, [], True, None
 
         def start(i, row):
             prompts[i] = self.prompt(episodes[i][1])
@@ -198,10 +198,13 @@ class RolloutEngine:
                     take = [queue.popleft() for _ in range(min(len(queue), c.batch_size if state is None else len(free)))]
                     new = [start(i, row) for i, row in zip(take, free if state is not None else range(len(take)))]
                     if state is None:
-                        state, rows = self._prefill([prompts[b.episode][1] for b in new]), new
+                        first = [prompts[b.episode][1] for b in new]
+                        state, rows = self._prefill(first), new
+                        prefix = self._shared_prefix(first) if queue else None
                     else:
                         try:
-                            state = self._insert(state, [b.row for b in new], [prompts[b.episode][1] for b in new])
+                            state = self._insert(state, [b.row for b in new], [prompts[b.episode][1] for b in new],
+                                                 prefix)
                             for b in new:
                                 rows[b.row] = b
                         except ContextOverflowError:  # the cache is full: wait until an episode ends
@@ -237,12 +240,28 @@ class RolloutEngine:
             for task in {episodes[i][1].id: episodes[i][1] for i in prompts}.values():
                 self.env.release(task)  # episodes in flight when the consumer stopped
 
-    def _insert(self, state, rows: list[int], prompt_ids: list):
+    def _shared_prefix(self, prompt_ids: list):
+        """(ids, one-row state) of the tokens the first prompts share (system prompt, tool list,
+        worked examples), kept for the episodes that start later; None when short."""
+        shortest = min(len(ids) for ids in prompt_ids)
+        n = next((i for i in range(shortest) if len({ids[i] for ids in prompt_ids}) > 1), shortest)
+        n = min(n, shortest - 1)  # a prompt must go beyond the prefix
+        if n < max(1, self.sampler.min_shared_prefix):
+            return None
         t0 = time.perf_counter()
-        state = self.sampler.insert(state, rows, prompt_ids)
+        state = self.sampler.prefill([prompt_ids[0][:n]])
+        jax.block_until_ready(state.cache)
+        self.stats.prefill_s += time.perf_counter() - t0
+        self.stats.prefill_tokens += n
+        return list(prompt_ids[0][:n]), state
+
+    def _insert(self, state, rows: list[int], prompt_ids: list, prefix=None):
+        t0 = time.perf_counter()
+        state = self.sampler.insert(state, rows, prompt_ids, prefix=prefix)
         jax.block_until_ready(state.cache)  # so that the prefill is timed as prefill
         self.stats.prefill_s += time.perf_counter() - t0
-        self.stats.prefill_tokens += sum(len(ids) for ids in prompt_ids)
+        shared = len(prefix[0]) if prefix is not None and all(ids[:len(prefix[0])] == prefix[0] for ids in prompt_ids) else 0
+        self.stats.prefill_tokens += sum(len(ids) - shared for ids in prompt_ids)
         self.stats.inserts += len(rows)
         return state
 

@@ -682,11 +682,16 @@ class Sampler:
         lengths[rows] = 1
         return dataclasses.replace(state, cache=cache, lengths=lengths)
 
-    def insert(self, state: SamplerState, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> SamplerState:
+    def insert(self, state: SamplerState, rows: Sequence[int], prompts: Sequence[Sequence[int]],
+               prefix: Optional[tuple] = None) -> SamplerState:
         """Start `prompts` in `rows` of a running `state` (what the rows held is dropped); the
         other rows are untouched. Only the new prompts are computed (a `prefill` of their own,
         shared prefix once), then their cache rows are copied into `state` at its next slots.
-        Consumes `state`; raises `ContextOverflowError` (state intact) when the cache is full."""
+        Consumes `state`; raises `ContextOverflowError` (state intact) when the cache is full.
+
+        `prefix`: (ids, one-row state from `prefill([ids])`), e.g. a system prompt every episode
+        starts with, computed once and kept: prompts that start with `ids` (and go beyond them)
+        compute only their rest. The prefix state is not consumed."""
         rows = self._check_rows(state, rows, "insert")
         if len(prompts) != rows.size:
             raise ValueError(f"insert: got {len(prompts)} prompts for {rows.size} rows")
@@ -701,7 +706,14 @@ class Sampler:
         if available < width:
             raise ContextOverflowError(f"insert: {width} cache slots needed, {available} free "
                                        f"(max_cache_length {self.max_cache_length})")
-        fresh = self.prefill(prompts)
+        fresh = None
+        if prefix is not None:
+            ids, prefix_state = prefix
+            n = len(ids)
+            if all(len(p) > n and list(p[:n]) == list(ids) for p in prompts):
+                fresh = self.append(self.fork(prefix_state, [0] * len(prompts)), [p[n:] for p in prompts])
+        if fresh is None:
+            fresh = self.prefill(prompts)
         if fresh.cache_length != width:  # squeeze its filled slots into exactly `width` (at the end)
             self._note("compact", (fresh.batch_bucket, fresh.cache_length, width))
             fresh = dataclasses.replace(fresh, cache=self._compact_jit(width, fresh.cache))
