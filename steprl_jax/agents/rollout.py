@@ -39,7 +39,7 @@ import numpy as np
 
 from steprl_jax.agents.environments import Task, clip_result
 from steprl_jax.agents.records import Step, TreeNode, TreeRecord, Trajectory
-from steprl_jax.sampling.sampler import ContextOverflowError
+from steprl_jax.sampling.sampler import ContextOverflowError, common_prefix_length
 
 log = logging.getLogger(__name__)
 
@@ -244,8 +244,7 @@ class RolloutEngine:
         """(ids, one-row state) of the tokens the first prompts share (system prompt, tool list,
         worked examples), kept for the episodes that start later; None when short."""
         shortest = min(len(ids) for ids in prompt_ids)
-        n = next((i for i in range(shortest) if len({ids[i] for ids in prompt_ids}) > 1), shortest)
-        n = min(n, shortest - 1)  # a prompt must go beyond the prefix
+        n = min(common_prefix_length([np.asarray(ids) for ids in prompt_ids]), shortest - 1)  # a prompt goes beyond it
         if n < max(1, self.sampler.min_shared_prefix):
             return None
         t0 = time.perf_counter()
@@ -338,12 +337,15 @@ class RolloutEngine:
         return SamplingParams(temperature=c.temperature if c.temperature > 0 else 1.0, top_k=c.top_k,
                               top_p=c.top_p, greedy=c.temperature <= 0, with_entropy=c.with_entropy or with_entropy)
 
-    def _row_keys(self, state, rows: list[_Branch]) -> np.ndarray:
-        """One key per row of `state`: fold_in(episode key, step index) for `rows`, zeros elsewhere."""
+    def _row_keys(self, state, rows: list[_Branch]):
+        """One key per row of `state` (on the device): fold_in(episode key, step index) for `rows`,
+        unused ones elsewhere. Folded over every row, so one program per batch size, not per
+        number of generating rows, and no round trip through the host."""
         keys = np.zeros((state.num_rows, 2), np.uint32)
-        keys[[b.row for b in rows]] = _fold_each(np.stack([b.key for b in rows]),
-                                                 np.asarray([len(b.steps) for b in rows], np.uint32))
-        return keys
+        steps = np.zeros(state.num_rows, np.uint32)
+        for b in rows:
+            keys[b.row], steps[b.row] = b.key, len(b.steps)
+        return _fold_each(keys, steps)
 
     def _dispatch(self, branch: _Branch, generation, generate_s: float) -> None:
         """A finished action: count it and hand its host work (parse, tools) to the pool."""

@@ -460,7 +460,7 @@ class Sampler:
         if length > self.max_cache_length:
             raise ContextOverflowError(
                 f"prefill: the longest prompt needs {slots} cache slots; max_cache_length is {self.max_cache_length}")
-        shared = _common_prefix_length(prompts)
+        shared = common_prefix_length(prompts)
         if len(prompts) > 1 and self.min_shared_prefix and shared >= self.min_shared_prefix:
             # Compute the common prefix once (one row), copy its cache to every row, then append
             # each row's own rest: same values as prefilling every row, a fraction of the work.
@@ -547,11 +547,9 @@ class Sampler:
         drops finished episodes. The KV cache rows are copied on device, nothing is recomputed;
         give the branches different keys in `generate` (a single key already does).
         """
-        rows = np.asarray(rows, np.int64).reshape(-1)
+        rows = self._check_rows(state, rows, "fork")
         if rows.size == 0:
             raise ValueError("fork: no rows")
-        if rows.min() < 0 or rows.max() >= state.num_rows:
-            raise IndexError(f"fork: rows must be in [0, {state.num_rows}), got {rows.tolist()}")
         cache, last = self._gather_rows(state, rows, self._batch_bucket(rows.size), "fork")
         return SamplerState(cache, last, state.lengths[rows].copy(), state.index, state.last_host[rows].copy())
 
@@ -849,7 +847,7 @@ def _identity(x):
     return x
 
 
-def _common_prefix_length(prompts: Sequence[np.ndarray]) -> int:
+def common_prefix_length(prompts: Sequence[np.ndarray]) -> int:
     """Length of the longest token prefix shared by all prompts."""
     shortest = min(p.size for p in prompts)
     same = np.ones(shortest, bool)
