@@ -34,5 +34,13 @@ def get_config(arg=None):
         outcome=ConfigDict(dict(kind="rule", base_url="", model="", api_key_env="OPENAI_API_KEY", votes=1)),
         process=ConfigDict(dict(kind="rule", base_url="", model="", api_key_env="OPENAI_API_KEY", votes=1)),
         cache_dir="", partial_f1=0.0))
+    # Devices. mesh: the trainer's (data, fsdp, tensor) axis sizes, -1 for the devices left over;
+    # all 1 (the default) is one device, no mesh. mesh.sampler: the same over each process's own
+    # devices, where it samples with a full copy of the parameters (all 1: its first device).
+    c.mesh = ConfigDict(dict(data=1, fsdp=1, tensor=1, sampler=ConfigDict(dict(data=1, fsdp=1, tensor=1))))
+    # Several processes (TPU pods, GPU hosts): mode off | auto | on; empty fields come from
+    # JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID or JAX's cluster detection.
+    c.distributed = ConfigDict(dict(mode="auto", coordinator_address="", num_processes=0, process_id=-1,
+                                    initialization_timeout_s=300, heartbeat_timeout_s=100, shutdown_timeout_s=300))
     c.progress = True
     return c

@@ -48,6 +48,10 @@ def run(config) -> dict:
     job = config.get("job", "evaluate")
     if job not in JOBS:
         raise ValueError(f"config.job: unknown job {job!r}; valid jobs: {', '.join(sorted(JOBS))}")
+    if "distributed" in config:  # first: jax.distributed must start before any device is touched
+        from steprl_jax.training import distributed
+
+        distributed.initialize(config.distributed)
     return JOBS[job](config)
 
 

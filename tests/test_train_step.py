@@ -1,6 +1,5 @@
 """Train step: accumulation == one batch for every agg mode; 8 devices == 1; ratio 1 on the
 first update; zero-denominator batches; validation; checkpoint resume is bit-identical."""
-import functools
 
 import jax
 import jax.numpy as jnp

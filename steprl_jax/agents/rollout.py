@@ -128,13 +128,19 @@ class RolloutEngine:
         return text, self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     # ------------------------------------------------------------ trajectories
-    def run(self, episodes: Sequence[tuple[str, Task]]) -> Iterator[Trajectory]:
+    def run(self, episodes: Sequence[tuple[str, Task]], indices: Optional[Sequence[int]] = None
+            ) -> Iterator[Trajectory]:
         """Yield one Trajectory per (episode id, task). Continuous (the default): at most
         `config.batch_size` at once, each yielded as it ends (so not in input order); otherwise
-        in batches of `config.batch_size`, in order."""
+        in batches of `config.batch_size`, in order. `indices`: each episode's index for its key
+        (default 0, 1, ...): a process running its share of a larger run passes the global ones,
+        and samples what the whole run would have sampled for those episodes."""
         self.key, run_key = jax.random.split(self.key)
+        indices = np.arange(len(episodes)) if indices is None else np.asarray(indices)
+        if len(indices) != len(episodes):
+            raise ValueError(f"run: {len(indices)} indices for {len(episodes)} episodes")
         keys = _fold_each(np.broadcast_to(np.asarray(run_key, np.uint32), (len(episodes), 2)),
-                          np.arange(len(episodes), dtype=np.uint32)) if episodes else np.zeros((0, 2), np.uint32)
+                          indices.astype(np.uint32)) if episodes else np.zeros((0, 2), np.uint32)
         keys = np.asarray(keys)
         if self.config.continuous:
             yield from self._run_continuous(episodes, keys)

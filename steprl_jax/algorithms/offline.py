@@ -26,6 +26,8 @@ from tqdm import tqdm
 
 from steprl_jax.training import (Checkpointer, LossConfig, OptimizerConfig, TrainStepConfig, create_train_state,
                                  lr_schedule, make_logprob_fn, make_optimizer, make_train_step)
+from steprl_jax.models.sharding import batch_sharding
+from steprl_jax.training.distributed import put_global
 from steprl_jax.training.metrics_log import MetricsLog
 from steprl_jax.training.pack import cheapest_layout, pack
 from steprl_jax.training.state import merge_model, split_model
@@ -170,11 +172,15 @@ def pack_rows(rows, *, num_microbatches: int = 1, min_rows: int = 0, max_length:
 
 def train_on_rows(step_fn, state, rows, *, ppo_epochs: int = 1, minibatches: int = 1, num_microbatches: int = 1,
                   min_rows: int = 0, max_length: Optional[int] = None, logprob_fn=None, ref_params=None,
-                  attention_length: float = 0.0):
+                  attention_length: float = 0.0, mesh=None):
     """Pack `rows` (`pack_rows`) and run ppo_epochs x minibatches train steps; returns (state,
-    metrics). The loop every algorithm shares (offline and online)."""
-    batch = pack_rows(rows, num_microbatches=num_microbatches * minibatches, min_rows=min_rows, max_length=max_length,
-                      attention_length=attention_length)
+    metrics). The loop every algorithm shares (offline and online). With a `mesh` the rows are
+    padded to a multiple of its data shards and placed over them (every process holds the same
+    rows: the global batch)."""
+    shards = data_shards(mesh)
+    host = pack_rows(rows, num_microbatches=num_microbatches * minibatches * shards, min_rows=min_rows,
+                     max_length=max_length, attention_length=attention_length)
+    batch = host if mesh is None else put_global(host, lambda x: batch_sharding(mesh, ndim=x.ndim))
     if logprob_fn is not None:
         batch = batch.replace(ref_logp=logprob_fn(ref_params, state.rest, batch.tokens, batch.attention_mask,
                                                   batch.loss_mask, batch.positions, batch.branch_ids,
@@ -187,10 +193,19 @@ def train_on_rows(step_fn, state, rows, *, ppo_epochs: int = 1, minibatches: int
             step_metrics.append(m)
     step_metrics = jax.device_get(step_metrics)
     metrics = _first_and_mean(step_metrics)
-    metrics.update(train_s=time.perf_counter() - t1, rows=int(np.sum(np.any(batch.attention_mask, axis=1))),
-                   row_length=float(batch.tokens.shape[1]), tokens=float(np.sum(batch.attention_mask)),
-                   trained_tokens=float(np.sum(batch.loss_mask > 0)), padded_tokens=float(batch.tokens.size))
+    metrics.update(train_s=time.perf_counter() - t1, rows=int(np.sum(np.any(host.attention_mask, axis=1))),
+                   row_length=float(host.tokens.shape[1]), tokens=float(np.sum(host.attention_mask)),
+                   trained_tokens=float(np.sum(host.loss_mask > 0)), padded_tokens=float(host.tokens.size))
     return state, metrics
+
+
+def data_shards(mesh) -> int:
+    """How many ways a batch splits over `mesh`'s data axes (1 without a mesh)."""
+    if mesh is None:
+        return 1
+    axes = batch_sharding(mesh).spec[0]
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    return int(np.prod([mesh.shape[a] for a in axes]))
 
 
 def _first_and_mean(step_metrics: list[dict]) -> dict:

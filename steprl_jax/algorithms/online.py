@@ -54,7 +54,8 @@ from steprl_jax.evaluation.metrics import episode_terms, write_json_atomic, writ
 from steprl_jax.training import (Checkpointer, TrainStepConfig, create_train_state, lr_schedule,
                                  make_logprob_fn, make_optimizer, make_train_step)
 from steprl_jax.training.metrics_log import MetricsLog
-from steprl_jax.training.state import split_model
+from steprl_jax.training import distributed
+from steprl_jax.training.state import merge_model, split_model
 
 log = logging.getLogger(__name__)
 
@@ -153,10 +154,11 @@ def warm_start(config, model, tokenizer):
 
 @dataclasses.dataclass
 class IterationResult:
-    trees: list  # every rollout record of the iteration (judged, with verdicts)
+    trees: list  # every rollout record of the iteration (judged, with verdicts), of every process
     kept: list  # judged trees the batch is built from
     cursor: int
     counts: collections.Counter
+    mine: list = dataclasses.field(default_factory=list)  # the trees this process rolled out
 
 
 class OnlineLoop:
@@ -173,31 +175,41 @@ class OnlineLoop:
         self.suite = build_suite(config, split="train")
         self.tasks = {t.id: t for t in self.suite.tasks}
         self.judging = Judging.from_config(config, outcome_rule=self.suite.outcome_rule, local_model=(model, tokenizer))
-        self.sampler = Sampler(model, tokenizer, max_context=int(config.rollout.max_context))
+        # The trainer on the global mesh (None: one device); each process samples on its own
+        # devices, the parameters moved there by the bridge (training/distributed.py).
+        self.mesh = distributed.train_mesh(config.get("mesh"))
+        self.bridge = distributed.SamplerBridge(config.mesh.get("sampler", {})) if self.mesh is not None else None
+        self.sampler = Sampler(model, tokenizer, max_context=int(config.rollout.max_context),
+                               mesh=self.bridge.mesh if self.bridge else None)
         self.engine = RolloutEngine(self.sampler, tokenizer, self.suite.env,
                                     dataclasses.replace(rollout_config(config), with_entropy=True), seed=self.seed)
         self.loss = algorithm.loss(config)
         steps = int(self.rl.iterations) * int(self.rl.ppo_epochs) * int(self.rl.minibatches)
         self.optimizer = optimizer_config(config, steps)
         tx = make_optimizer(self.optimizer)
-        self.graphdef, self.state, _ = create_train_state(copy_model(*split_model(model)), tx, seed=self.seed)
+        self.graphdef, self.state, shardings = create_train_state(copy_model(*split_model(model)), tx, seed=self.seed,
+                                                                  mesh=self.mesh)
         self.ckpt = Checkpointer(_path(config, "checkpoints", "rl"), max_to_keep=2)
-        if base_source is not None:
+        if base_source is not None and distributed.is_primary():
             from steprl_jax.models.orbax_policy import write_policy_file
 
             write_policy_file(self.ckpt.directory, base_source)
         self.step_fn = make_train_step(self.graphdef, tx, TrainStepConfig(
-            loss=self.loss, num_microbatches=int(self.rl.num_microbatches)), schedule=lr_schedule(self.optimizer))
+            loss=self.loss, num_microbatches=int(self.rl.num_microbatches)), schedule=lr_schedule(self.optimizer),
+            mesh=self.mesh, state_shardings=shardings)
         self.ref_params = None
         self.logprob_fn = None
         if self.loss.kl_coef > 0:
             _, self.ref_params, _ = split_model(copy_model(*split_model(model)))  # frozen, its own buffers
-            self.logprob_fn = make_logprob_fn(self.graphdef, temperature=self.loss.temperature)
-        self.metrics_log = MetricsLog(config.workdir, "rl")
+            if self.mesh is not None:
+                self.ref_params = jax.device_put(self.ref_params, shardings.params)
+            self.logprob_fn = make_logprob_fn(self.graphdef, temperature=self.loss.temperature, mesh=self.mesh)
+        self.metrics_log = MetricsLog(config.workdir, "rl") if distributed.is_primary() else None
 
     def close(self) -> None:
         self.engine.close()
-        self.metrics_log.close()
+        if self.metrics_log is not None:
+            self.metrics_log.close()
         self.ckpt.close()
 
     # ------------------------------------------------------------------ resume
@@ -219,7 +231,11 @@ class OnlineLoop:
             "next_tree_seed": iteration_seed(self.seed, iteration)})
 
     def _push_params(self) -> None:
-        self.sampler.set_params(copy_model(self.graphdef, self.state.params, self.state.rest))
+        if self.bridge is None:
+            self.sampler.set_params(copy_model(self.graphdef, self.state.params, self.state.rest))
+            return
+        params, rest = self.bridge((self.state.params, self.state.rest))
+        self.sampler.set_params(merge_model(self.graphdef, params, rest))
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict:
@@ -239,8 +255,9 @@ class OnlineLoop:
                 metrics = batch_metrics(result)
                 metrics.update(self.train(result.kept))
                 metrics["iteration_s"] = time.perf_counter() - t0
-                self._write_records(it, result.trees)
-                self.metrics_log.write(it + 1, metrics)
+                self._write_records(it, result.mine)
+                if self.metrics_log is not None:
+                    self.metrics_log.write(it + 1, metrics)
                 if (it + 1) % int(self.rl.save_every) == 0 or it + 1 == iterations:
                     self._save(it + 1, cursor)
                 bar.update(1)
@@ -249,11 +266,14 @@ class OnlineLoop:
         finally:
             bar.close()
         final = self.evaluate(iterations)
-        export_policy(self.graphdef, self.state, self.tokenizer, _path(self.config, "policy", "rl"))
+        state = self.state if jax.process_count() == 1 else distributed.host_copy(self.state)
         out = {"algorithm": self.algorithm.name, "iterations": iterations, "last_iteration": summary,
                "eval": {k: final.get("ci", {}).get(k) for k in ("accuracy", "tool_steps", "unanswerable",
                                                                "format_reward")}}
-        write_json_atomic(_path(self.config, "summary.json"), out)
+        if distributed.is_primary():
+            export_policy(self.graphdef, state, self.tokenizer, _path(self.config, "policy", "rl"))
+            write_json_atomic(_path(self.config, "summary.json"), out)
+        distributed.barrier("rl: exported")
         return out
 
     # ------------------------------------------------------------------ rollouts + judge
@@ -263,7 +283,7 @@ class OnlineLoop:
         want = int(self.rl.queries_per_iteration)
         rounds = int(self.rl.dapo.max_sampling_rounds) if self.algorithm.keep is not None else 1
         counts = collections.Counter()
-        trees, kept = [], []
+        trees, kept, mine = [], [], []
         for round_ in range(rounds):
             need = want - len(kept)
             if need <= 0:
@@ -271,12 +291,14 @@ class OnlineLoop:
             tasks = items_at(self.suite.tasks, cursor, need, self.seed)
             cursor += need
             t0 = time.perf_counter()
-            batch = self.rollout(tasks, iteration, round_)
+            local = self.rollout(tasks, iteration, round_)  # this process's share, judged here
             t1 = time.perf_counter()
-            self.judge(batch)
+            self.judge(local)
             counts["rollout_s"] += t1 - t0
             counts["judge_s"] += time.perf_counter() - t1
             counts["sampling_rounds"] += 1
+            mine += local
+            batch = self._gather(local)
             for tree in batch:
                 trees.append(tree)
                 judged = judged_tree(tree)
@@ -289,13 +311,30 @@ class OnlineLoop:
                     counts["groups_dropped"] += 1
                 elif len(kept) < want:
                     kept.append(judged)
-        return IterationResult(trees, kept, cursor, counts)
+        return IterationResult(trees, kept, cursor, counts, mine)
+
+    def _gather(self, local: list[TreeRecord]) -> list[TreeRecord]:
+        """Every process's judged trees, in query order (the same list on every process)."""
+        if jax.process_count() == 1:
+            return local
+        shares = distributed.allgather_json([t.to_json() for t in local])
+        trees = [TreeRecord.from_json(t) for share in shares for t in share]
+        return sorted(trees, key=lambda t: int(t.id.rsplit("/q", 1)[1]))
 
     def rollout(self, tasks: Sequence, iteration: int, round_: int) -> list[TreeRecord]:
+        """This process's share of `tasks` (queries p, p + P, ...; all of them with one process).
+        Independent episodes sample with their global index, so the share samples what one
+        process would; trees and ARPO draw from the engine's key in their order (not so)."""
         n, tree = int(self.config.rollout.tree.n), self.config.rollout.tree
-        ids = [f"it{iteration:05d}/r{round_}/q{j}" for j in range(len(tasks))]
-        self.engine.key = rollout_key(self.seed, iteration, round_)
-        seed = iteration_seed(self.seed, iteration, round_)
+        share = distributed.share(tasks)
+        query_index = [j for j, _ in share]
+        tasks = [task for _, task in share]
+        ids = [f"it{iteration:05d}/r{round_}/q{j}" for j in query_index]
+        key, seed = rollout_key(self.seed, iteration, round_), iteration_seed(self.seed, iteration, round_)
+        if jax.process_count() > 1 and self.algorithm.rollout != "group":
+            # trees draw from one key in their order: each process its own streams
+            key, seed = jax.random.fold_in(key, jax.process_index()), seed + jax.process_index()
+        self.engine.key = key
         mode = self.algorithm.rollout
         if mode == "tree":
             return list(self.engine.run_trees(list(zip(ids, tasks)), n=n, f=int(tree.f), schedule=tree.schedule,
@@ -306,8 +345,9 @@ class OnlineLoop:
                                              alpha=float(a.alpha), beta=float(a.beta),
                                              entropy_tokens=int(a.entropy_tokens), seed=seed))
         episodes = [(f"{tree_id}#{e}", task) for tree_id, task in zip(ids, tasks) for e in range(n)]
+        indices = [j * n + e for j in query_index for e in range(n)]
         by_tree = collections.defaultdict(list)
-        for trajectory in self.engine.run(episodes):  # in the order they end
+        for trajectory in self.engine.run(episodes, indices=indices):  # in the order they end
             by_tree[trajectory.id.rsplit("#", 1)[0]].append(trajectory)
         return [TreeRecord.from_group(tree_id, sorted(by_tree[tree_id], key=lambda t: int(t.id.rsplit("#", 1)[1])))
                 for tree_id in ids]
@@ -343,15 +383,18 @@ class OnlineLoop:
         self.state, train_metrics = train_on_rows(
             self.step_fn, self.state, rows, ppo_epochs=int(self.rl.ppo_epochs), minibatches=int(self.rl.minibatches),
             num_microbatches=int(self.rl.num_microbatches), min_rows=int(self.rl.queries_per_iteration),
-            logprob_fn=self.logprob_fn, ref_params=self.ref_params, attention_length=float(self.rl.attention_length))
+            logprob_fn=self.logprob_fn, ref_params=self.ref_params, attention_length=float(self.rl.attention_length),
+            mesh=self.mesh)
         metrics.update(train_metrics)
         self._push_params()
         return metrics
 
     # ------------------------------------------------------------------ records + eval
     def _write_records(self, iteration: int, trees: Sequence[TreeRecord]) -> None:
+        """This process's rollouts of the iteration (one file per process with several)."""
         text = "".join(json.dumps(t.to_json(), ensure_ascii=False) + "\n" for t in trees)
-        write_text_atomic(_path(self.config, "rollouts", f"iter_{iteration:05d}.jsonl"), text)
+        name = f"iter_{iteration:05d}" + (f".process{jax.process_index()}" if jax.process_count() > 1 else "")
+        write_text_atomic(_path(self.config, "rollouts", f"{name}.jsonl"), text)
 
     def evaluate(self, iteration: int) -> dict:
         """Held-out evaluation of the current policy (the sampler's parameters), once per iteration."""
@@ -364,7 +407,7 @@ class OnlineLoop:
             with open(path, encoding="utf-8") as f:
                 return json.load(f)
         e = self.rl.eval
-        if int(e.num_tasks) <= 0:  # evaluation switched off
+        if int(e.num_tasks) <= 0 or not distributed.is_primary():  # off; or process 0 evaluates
             return {}
         config = self.config.copy_and_resolve_references()
         with config.unlocked():

@@ -9,7 +9,7 @@ A group whose std is 0 gets advantage 0 for every member (numerator is 0).
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Tuple
 
 import jax
 import jax.numpy as jnp

@@ -16,7 +16,7 @@ from steprl_jax.tools.protocol import ToolCall
 from steprl_jax.tools.world.generate import (
     NEWS_TOPICS, EpisodeContext, World, current_temperature, generate_world, great_circle_km, local_datetime,
     random_context)
-from steprl_jax.tools.world.tools import TERMINAL_TOOL, entity_facts, flight_summary, standings, trading_days
+from steprl_jax.tools.world.tools import TERMINAL_TOOL, flight_summary, standings, trading_days
 
 DOMAINS = ("weather", "sports", "geo", "knowledge", "clock", "news", "flights", "stocks")
 
