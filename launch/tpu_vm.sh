@@ -6,7 +6,10 @@
 #   create   make the slice (spot or preemptible if asked)
 #   setup    copy the repository (its committed files) to every worker, install it with the tpu extra
 #   run      start the main job on every worker at once (one JAX process per host; on a TPU VM,
-#            jax.distributed finds its coordinator and process id by itself), output to ~/steprl_run.log
+#            jax.distributed finds its coordinator and process id by itself; the trainer's mesh
+#            is fsdp over every chip unless --config.mesh.* is given), output to ~/steprl_run.log.
+#            The workdir must be one folder every worker sees (checkpoints are written by all of
+#            them): a Cloud Storage bucket mounted with gcsfuse, or NFS.
 #   logs     gather every worker's log into runs/tpu_logs/$TPU_NAME/worker-N.log
 #   delete   delete the slice
 #
@@ -19,7 +22,7 @@
 #   TPU_NAME=steprl ZONE=us-west4-a ACCELERATOR=v5litepod-16 SPOT=1 launch/tpu_vm.sh create
 #   TPU_NAME=steprl ZONE=us-west4-a launch/tpu_vm.sh setup
 #   TPU_NAME=steprl ZONE=us-west4-a launch/tpu_vm.sh run -- --config=configs/portool_toolworld.py \
-#       --config.model.compute_dtype=bfloat16 --config.workdir=gs://BUCKET/runs/portool
+#       --config.model.compute_dtype=bfloat16 --config.workdir=/mnt/gcs/runs/portool   (gcsfuse mount)
 #   TPU_NAME=steprl ZONE=us-west4-a launch/tpu_vm.sh logs
 #   TPU_NAME=steprl ZONE=us-west4-a launch/tpu_vm.sh delete
 set -euo pipefail
@@ -84,7 +87,12 @@ case "$COMMAND" in
 && .venv/bin/python -c 'import jax; print(jax.process_index(), jax.local_device_count(), jax.device_count())'"
     ;;
   run)
-    ARGS=$(printf '%q ' "$@")
+    # Several hosts: one JAX process each (jax.distributed finds its coordinator and process id
+    # on a TPU VM); the trainer's mesh over every chip unless the job's arguments choose one.
+    EXTRA=()
+    [ "$(workers)" -gt 1 ] && EXTRA+=(--config.distributed.mode=on)
+    [[ " $* " == *" --config.mesh."* ]] || EXTRA+=(--config.mesh.fsdp=-1)
+    ARGS=$(printf '%q ' "${EXTRA[@]}" "$@")
     tpu ssh "$TPU_NAME" --worker=all --command="cd $REMOTE_DIR && nohup .venv/bin/python -m steprl_jax.main $ARGS \
 > ~/steprl_run.log 2>&1 < /dev/null &"
     ;;

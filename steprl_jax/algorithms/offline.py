@@ -27,6 +27,7 @@ from tqdm import tqdm
 from steprl_jax.training import (Checkpointer, LossConfig, OptimizerConfig, TrainStepConfig, create_train_state,
                                  lr_schedule, make_logprob_fn, make_optimizer, make_train_step)
 from steprl_jax.models.sharding import batch_sharding
+from steprl_jax.training import distributed
 from steprl_jax.training.distributed import put_global
 from steprl_jax.training.metrics_log import MetricsLog
 from steprl_jax.training.pack import cheapest_layout, pack
@@ -101,19 +102,25 @@ def _split_rows(batch, parts: int):
 
 
 def train_offline(spec: OfflineSpec, model, *, workdir: str, seed: int, ref_params=None, progress: bool = True,
-                  base_source: Optional[str] = None):
+                  base_source: Optional[str] = None, mesh_config=None):
     """Run (or resume) `spec`; returns (graphdef, final train state). With `base_source` (the
-    load_pretrained source of `model`) the checkpoint folder loads as a policy itself."""
+    load_pretrained source of `model`) the checkpoint folder loads as a policy itself.
+    `mesh_config` (config.mesh): the trainer's mesh, and where each process's policy copy for
+    `spec.build` lives (training/distributed.py); every process builds the same global batch."""
     if spec.attention_length > 0 and spec.loss.agg != "token_mean":
         raise ValueError(f"{spec.name}: regrouping rows (attention_length > 0) keeps the loss only under the "
                          f"token_mean aggregation, not {spec.loss.agg!r}")
     if not spec.items:
         raise ValueError(f"{spec.name}: no training items (did the filter keep anything?)")
     tx = make_optimizer(spec.optimizer)
+    mesh = distributed.train_mesh(mesh_config)
+    bridge = distributed.SamplerBridge(mesh_config) if mesh is not None else None
     # On copies: the train step donates its state, and the caller's model must stay usable.
-    graphdef, state, _ = create_train_state(copy_model(*split_model(model)), tx, seed=seed)
+    graphdef, state, shardings = create_train_state(copy_model(*split_model(model)), tx, seed=seed, mesh=mesh)
+    if ref_params is not None and mesh is not None:
+        ref_params = jax.device_put(ref_params, shardings.params)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints", spec.name), max_to_keep=2)
-    if base_source is not None:
+    if base_source is not None and distributed.is_primary():
         from steprl_jax.models.orbax_policy import write_policy_file
 
         write_policy_file(ckpt.directory, base_source)
@@ -123,39 +130,49 @@ def train_offline(spec: OfflineSpec, model, *, workdir: str, seed: int, ref_para
         start = int(position["update"])
         log.info("%s: resumed at update %d (step %d)", spec.name, start, int(state.step))
     step_fn = make_train_step(graphdef, tx, TrainStepConfig(loss=spec.loss, num_microbatches=spec.num_microbatches),
-                              schedule=lr_schedule(spec.optimizer))
-    logprob_fn = make_logprob_fn(graphdef, temperature=spec.loss.temperature) if spec.loss.kl_coef > 0 else None
-    metrics_log = MetricsLog(workdir, spec.name)
+                              schedule=lr_schedule(spec.optimizer), mesh=mesh, state_shardings=shardings)
+    logprob_fn = make_logprob_fn(graphdef, temperature=spec.loss.temperature,
+                                 mesh=mesh) if spec.loss.kl_coef > 0 else None
+    metrics_log = MetricsLog(workdir, spec.name) if distributed.is_primary() else None
+
+    def policy_copy():  # for build: the train step donates the state's buffers
+        if bridge is None:
+            return copy_model(graphdef, state.params, state.rest)
+        return merge_model(graphdef, *bridge((state.params, state.rest)))
+
     bar = tqdm(total=spec.updates, initial=start, desc=spec.name, disable=not progress)
     try:
         for update in range(start, spec.updates):
             t0 = time.perf_counter()
-            policy = copy_model(graphdef, state.params, state.rest) if spec.needs_policy else None
+            policy = policy_copy() if spec.needs_policy else None
             rows, metrics = spec.build(batch_items(spec.items, spec.batch_size, update, seed), update, policy)
             if not rows:
                 log.warning("%s: update %d has no rows (every sample dropped); skipped", spec.name, update)
-                metrics_log.write(update + 1, {**metrics, "skipped": 1.0})
+                metrics = {**metrics, "skipped": 1.0}
             else:
-                state = _train_update(spec, step_fn, logprob_fn, ref_params, state, rows, metrics, t0)
+                state = _train_update(spec, step_fn, logprob_fn, ref_params, state, rows, metrics, t0, mesh)
+            if metrics_log is not None:
                 metrics_log.write(update + 1, metrics)
-                if spec.after_update is not None:
-                    spec.after_update(update, state)
+            if rows and spec.after_update is not None:
+                spec.after_update(update, state)
             if (update + 1) % spec.save_every == 0 or update + 1 == spec.updates:
                 ckpt.save(state, data_position={"update": update + 1}, step=update + 1)
             bar.update(1)
             bar.set_postfix({k: f"{metrics[k]:.3g}" for k in ("reward", "loss") if k in metrics})
     finally:
         bar.close()
-        metrics_log.close()
+        if metrics_log is not None:
+            metrics_log.close()
         ckpt.close()
     return graphdef, state
 
 
-def _train_update(spec: OfflineSpec, step_fn, logprob_fn, ref_params, state, rows, metrics: dict, t0: float):
+def _train_update(spec: OfflineSpec, step_fn, logprob_fn, ref_params, state, rows, metrics: dict, t0: float,
+                  mesh=None):
     state, train_metrics = train_on_rows(step_fn, state, rows, ppo_epochs=spec.ppo_epochs, minibatches=spec.minibatches,
                                          num_microbatches=spec.num_microbatches, min_rows=spec.min_rows,
                                          max_length=spec.max_length, logprob_fn=logprob_fn, ref_params=ref_params,
-                                         attention_length=spec.attention_length)
+                                         attention_length=spec.attention_length, mesh=mesh)
     metrics.update(train_metrics, update_s=time.perf_counter() - t0)
     return state
 
@@ -219,7 +236,15 @@ def _first_and_mean(step_metrics: list[dict]) -> dict:
     return out
 
 
-def export_policy(graphdef, state, tokenizer, out_dir: str) -> str:
+def export_policy(graphdef, state, tokenizer, out_dir: str) -> Optional[str]:
+    """The policy in Hugging Face format, written by process 0 (every process must call it:
+    with several, the parameters are gathered first); returns the folder (None elsewhere)."""
     from steprl_jax.models import export_hf
 
-    return export_hf(merge_model(graphdef, state.params, state.rest), tokenizer, out_dir, overwrite=True)
+    params, rest = (state.params, state.rest) if jax.process_count() == 1 else \
+        distributed.host_copy((state.params, state.rest))
+    out = None
+    if distributed.is_primary():
+        out = export_hf(merge_model(graphdef, params, rest), tokenizer, out_dir, overwrite=True)
+    distributed.barrier(f"exported {out_dir}")
+    return out

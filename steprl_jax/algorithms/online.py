@@ -147,7 +147,8 @@ def warm_start(config, model, tokenizer):
                            num_microbatches=int(w.num_microbatches), save_every=max(1, int(w.updates)),
                            attention_length=float(config.rl.attention_length))
         graphdef, state = train_offline(spec, model, workdir=config.workdir, seed=int(config.seed),
-                                        progress=bool(config.progress), base_source=config.model.source)
+                                        progress=bool(config.progress), base_source=config.model.source,
+                                        mesh_config=config.get("mesh"))
         export_policy(graphdef, state, tokenizer, out)
     return load_pretrained(out, compute_dtype=dtype)[0], out
 
@@ -178,9 +179,9 @@ class OnlineLoop:
         # The trainer on the global mesh (None: one device); each process samples on its own
         # devices, the parameters moved there by the bridge (training/distributed.py).
         self.mesh = distributed.train_mesh(config.get("mesh"))
-        self.bridge = distributed.SamplerBridge(config.mesh.get("sampler", {})) if self.mesh is not None else None
+        self.bridge = distributed.SamplerBridge(config.get("mesh")) if self.mesh is not None else None
         self.sampler = Sampler(model, tokenizer, max_context=int(config.rollout.max_context),
-                               mesh=self.bridge.mesh if self.bridge else None)
+                               mesh=distributed.sampler_mesh(config.get("mesh")))
         self.engine = RolloutEngine(self.sampler, tokenizer, self.suite.env,
                                     dataclasses.replace(rollout_config(config), with_entropy=True), seed=self.seed)
         self.loss = algorithm.loss(config)
@@ -266,14 +267,12 @@ class OnlineLoop:
         finally:
             bar.close()
         final = self.evaluate(iterations)
-        state = self.state if jax.process_count() == 1 else distributed.host_copy(self.state)
+        export_policy(self.graphdef, self.state, self.tokenizer, _path(self.config, "policy", "rl"))
         out = {"algorithm": self.algorithm.name, "iterations": iterations, "last_iteration": summary,
                "eval": {k: final.get("ci", {}).get(k) for k in ("accuracy", "tool_steps", "unanswerable",
                                                                "format_reward")}}
         if distributed.is_primary():
-            export_policy(self.graphdef, state, self.tokenizer, _path(self.config, "policy", "rl"))
             write_json_atomic(_path(self.config, "summary.json"), out)
-        distributed.barrier("rl: exported")
         return out
 
     # ------------------------------------------------------------------ rollouts + judge

@@ -39,7 +39,7 @@ from steprl_jax.algorithms.rl import policy_temperature
 from steprl_jax.algorithms.workdir import check_manifest, clear_stage, mark_stage, stage_done
 from steprl_jax.data.units import Unit, read_units, write_units
 from steprl_jax.evaluation.metrics import write_json_atomic
-from steprl_jax.training import LossConfig
+from steprl_jax.training import LossConfig, distributed
 from steprl_jax.training.pack import Row, Span
 
 log = logging.getLogger(__name__)
@@ -51,11 +51,18 @@ ADVANTAGES = ("rloo", "zscore")
 
 
 # ----------------------------------------------------------------------------- config helpers
+MULTI_PROCESS_STAGES = ("train", "sft")  # the stages that run across processes (jax.distributed)
+
+
 def _stages(config) -> list[str]:
     names = [s.strip() for s in str(config.stages).split(",") if s.strip()]
     unknown = [s for s in names if s not in STAGES]
     if unknown:
         raise ValueError(f"config.stages: unknown stage(s) {unknown}; valid: {', '.join(STAGES)}")
+    single = [s for s in names if s not in MULTI_PROCESS_STAGES]
+    if jax.process_count() > 1 and single:
+        raise ValueError(f"config.stages: {single} run in one process; with {jax.process_count()} processes run "
+                         f"only {MULTI_PROCESS_STAGES} (the others first, with config.distributed.mode=off)")
     return [s for s in STAGES if s in names]
 
 
@@ -320,38 +327,63 @@ class Stage2Builder:
         self.temperature = policy_temperature(config)
 
     def __call__(self, units: Sequence[Unit], update: int, policy) -> tuple[list[Row], dict]:
-        from steprl_jax.judges.rewards import RewardItem
-        from steprl_jax.sampling import SamplingParams
-
+        """Sample j (state j // G) uses fold_in(update key, j). With several processes each
+        samples and scores its share of the states; the samples are gathered in order."""
         t0 = time.perf_counter()
         self.sampler.set_params(policy)  # the current parameters, no recompilation
         G = self.group_size
-        state = self.sampler.prefill([list(u.state_ids) for u in units])
-        state = self.sampler.fork(state, [i for i in range(len(units)) for _ in range(G)])
-        _, gens = self.sampler.generate(state, update_key(self.seed, update), max_new_tokens=self.max_new_tokens,
-                                        params=SamplingParams(temperature=self.temperature), stop=self.stop)
+        mine = [i for i, _ in distributed.share(units)]
+        local, sample_s = self._samples(units, mine, update)
         t1 = time.perf_counter()
-        items = [RewardItem(units[j // G].question, units[j // G].history_text,
-                            (gen.text or "") + gen.text_after_stop) for j, gen in enumerate(gens)]
-        rewards = self.reward_model.score(items)
-        t2 = time.perf_counter()
-        values = [r.value if len(gen.tokens) else None for r, gen in zip(rewards, gens)]
+        # every process's samples, back in order: process p sampled the states p, p + P, ...
+        samples = [None] * (len(units) * G)
+        for p, share in enumerate(distributed.allgather_json(local)):
+            rows_of_p = [i * G + g for i, _ in distributed.share(units, p, jax.process_count()) for g in range(G)]
+            for j, x in zip(rows_of_p, share):
+                samples[j] = x
+        values = [x["reward"] if x["tokens"] else None for x in samples]
         groups = [i // G for i in range(len(values))]
         adv = group_advantages(values, groups, len(units), self.advantage, self.scale_by_std)
         rows = []
         for i, unit in enumerate(units):
-            branches = [[Span(gens[j].tokens.tolist(), loss=True, logprobs=gens[j].logprobs.tolist(),
+            branches = [[Span(samples[j]["tokens"], loss=True, logprobs=samples[j]["logprobs"],
                               advantage=float(adv[j]))]
                         for j in range(i * G, (i + 1) * G) if values[j] is not None]
             if branches:
                 rows.append(Row([Span(unit.state_ids)], branches))
         scored = [v for v in values if v is not None]
         metrics = {"reward": float(np.mean(scored)) if scored else float("nan"),
-                   "reward_failed": float(sum(r.value is None for r in rewards)),
-                   "samples": float(len(values)), "sampled_tokens": float(sum(len(g.tokens) for g in gens)),
-                   "advantage_abs": float(np.mean(np.abs(adv))), "sample_s": t1 - t0, "reward_s": t2 - t1,
-                   "states": float(len(units))}
+                   "reward_failed": float(sum(x["reward"] is None for x in samples)),
+                   "samples": float(len(values)), "sampled_tokens": float(sum(len(x["tokens"]) for x in samples)),
+                   "advantage_abs": float(np.mean(np.abs(adv))), "sample_s": sample_s,
+                   "reward_s": t1 - t0 - sample_s, "states": float(len(units))}
         return rows, metrics
+
+    def _samples(self, units: Sequence[Unit], mine: Sequence[int], update: int) -> tuple[list[dict], float]:
+        """G actions for each of the states `mine` (indices into `units`) and their rewards:
+        token ids, log-probs and reward (None: the reward model failed), as plain lists; and the
+        seconds spent sampling."""
+        from steprl_jax.judges.rewards import RewardItem
+        from steprl_jax.sampling import SamplingParams
+
+        if not mine:
+            return [], 0.0
+        G = self.group_size
+        t0 = time.perf_counter()
+        state = self.sampler.prefill([list(units[i].state_ids) for i in mine])
+        state = self.sampler.fork(state, [r for r in range(len(mine)) for _ in range(G)])
+        index = np.zeros(state.num_rows, np.uint32)  # each row's global sample index (padding: 0)
+        index[:len(mine) * G] = [i * G + g for i in mine for g in range(G)]
+        keys = jax.vmap(jax.random.fold_in, (None, 0))(update_key(self.seed, update), index)
+        _, gens = self.sampler.generate(state, keys, max_new_tokens=self.max_new_tokens,
+                                        params=SamplingParams(temperature=self.temperature), stop=self.stop)
+        gens = gens[:len(mine) * G]
+        sample_s = time.perf_counter() - t0
+        items = [RewardItem(units[i].question, units[i].history_text, (gen.text or "") + gen.text_after_stop)
+                 for i, gen in zip([i for i in mine for _ in range(G)], gens)]
+        rewards = self.reward_model.score(items)
+        return [{"tokens": gen.tokens.tolist(), "logprobs": gen.logprobs.tolist(), "reward": r.value}
+                for gen, r in zip(gens, rewards)], sample_s
 
 
 def train(config, model, tokenizer) -> dict:
@@ -363,7 +395,8 @@ def train(config, model, tokenizer) -> dict:
     units = read_units(units_path(config))
     check_manifest(config.workdir, {"swirl.filter": config.swirl.filter, "swirl.granularity": config.swirl.granularity})
     suite = build_suite(config, split="train")  # for the stop strings only; no tool is called
-    sampler = Sampler(model, tokenizer, max_context=int(config.rollout.max_context))
+    sampler = Sampler(model, tokenizer, max_context=int(config.rollout.max_context),
+                      mesh=distributed.sampler_mesh(config.get("mesh")))
     reward_model = build_reward_model(dict(config.reward), local_model=(model, tokenizer),
                                       cache_dir=config.judge.cache_dir or None)
     builder = Stage2Builder(config, sampler, tokenizer, reward_model, suite.env.stop_strings)
@@ -381,7 +414,8 @@ def train(config, model, tokenizer) -> dict:
 
         _, ref, _ = split_model(copy_model(*split_model(model)))  # the frozen initial policy, its own buffers
     graphdef, state = train_offline(spec, model, workdir=config.workdir, seed=int(config.seed), ref_params=ref,
-                                    progress=bool(config.progress), base_source=config.model.source)
+                                    progress=bool(config.progress), base_source=config.model.source,
+                                    mesh_config=config.get("mesh"))
     trained_steps = int(jax.device_get(state.step))
     if trained_steps:
         export_policy(graphdef, state, tokenizer, _path(config, "policy", "swirl"))
@@ -401,7 +435,8 @@ def sft(config, model, tokenizer) -> dict:
                        sft_lib.LOSS, optimizer_config(config, updates), batch_size=int(s.batch_size), updates=updates,
                        num_microbatches=int(s.num_microbatches), save_every=int(config.swirl.train.save_every))
     graphdef, state = train_offline(spec, model, workdir=config.workdir, seed=int(config.seed),
-                                    progress=bool(config.progress), base_source=config.model.source)
+                                    progress=bool(config.progress), base_source=config.model.source,
+                                    mesh_config=config.get("mesh"))
     export_policy(graphdef, state, tokenizer, _path(config, "policy", "sft"))
     out = {"updates": updates, "trajectories": len(groups)}
     return out

@@ -3,7 +3,7 @@ and parameters between processes.
 
     distributed.initialize(config.distributed)        # first, before anything touches a device
     mesh = distributed.train_mesh(config.mesh)        # None: one device, no mesh (the default)
-    bridge = distributed.SamplerBridge(config.mesh.sampler)
+    bridge = distributed.SamplerBridge(config.mesh)
 
 Every process runs the same program (`jax.distributed`; TPU pods, multi-GPU hosts, local CPU
 processes over 127.0.0.1). The trainer's state lives on the global mesh; each process samples on
@@ -165,9 +165,15 @@ def local_devices_by_process() -> list[list]:
     return [sorted(by[p], key=lambda d: d.id) for p in sorted(by)]
 
 
+def sampler_mesh(cfg) -> Optional[Mesh]:
+    """The sampler's mesh over this process's devices from config.mesh.sampler (None: one device)."""
+    mesh = mesh_of((cfg or {}).get("sampler", {}), jax.local_devices(), "config.mesh.sampler")
+    return mesh if mesh.size > 1 else None
+
+
 class SamplerBridge:
     """Moves the trainer's parameters (global arrays on any mesh) to this process's sampler: a
-    full copy on each process, placed by `cfg` (config.mesh.sampler: axis sizes over the local
+    full copy on each process, placed by config.mesh.sampler (axis sizes over the local
     devices; all 1: the first local device).
 
     Two device-to-device moves. First one jitted reshard over every device (a cross-process
@@ -176,20 +182,15 @@ class SamplerBridge:
     process, onto the sampler's own devices and layout.
     """
 
-    def __init__(self, cfg, rules: dict = LOGICAL_AXIS_RULES):
+    def __init__(self, mesh_config, rules: dict = LOGICAL_AXIS_RULES):
         self.rules = rules
-        self.local_mesh = mesh_of(cfg, jax.local_devices(), "config.mesh.sampler")
+        self.local_mesh = mesh_of((mesh_config or {}).get("sampler", {}), jax.local_devices(), "config.mesh.sampler")
         groups = local_devices_by_process()
         if len({len(g) for g in groups}) != 1:
             raise ValueError(f"processes have different device counts: {[len(g) for g in groups]}")
         self._stacked = Mesh(np.asarray(groups, dtype=object), ("process", "local"))
         self._own = Mesh(np.asarray(groups[jax.process_index()], dtype=object), ("local",))
         self._reshard = {}
-
-    @property
-    def mesh(self) -> Optional[Mesh]:
-        """The sampler's mesh (None: one device)."""
-        return self.local_mesh if self.local_mesh.size > 1 else None
 
     def _split_spec(self, shape) -> PartitionSpec:
         """Split over the local devices along the largest axis they divide (else whole)."""
