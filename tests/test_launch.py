@@ -61,3 +61,26 @@ def test_tpu_vm_needs_a_name_and_a_known_command():
     out = subprocess.run(["bash", os.path.join(ROOT, "launch", "tpu_vm.sh"), "--dry-run", "explode"],
                          env={**os.environ, "TPU_NAME": "x"}, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "create|setup|run|logs|delete" in out.stderr
+
+
+def _gpu_dry_run(command, *args, **env):
+    out = subprocess.run(["bash", os.path.join(ROOT, "launch", "gpu.sh"), "--dry-run", command, *args],
+                         env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_gpu_dry_runs_one_host_and_several():
+    one = _gpu_dry_run("run", "--", "--config=configs/portool_toolworld.py")
+    assert one.endswith("-m steprl_jax.main --config.mesh.fsdp=-1 --config=configs/portool_toolworld.py")
+    assert "JAX_PLATFORMS=cuda" in one and "distributed" not in one
+    many = _gpu_dry_run("run", "--", "--config.mesh.tensor=8", COORDINATOR="host0:12355", NUM_PROCESSES="2",
+                        PROCESS_ID="1")
+    for flag in ("--config.distributed.mode=on", "--config.distributed.coordinator_address=host0:12355",
+                 "--config.distributed.num_processes=2", "--config.distributed.process_id=1", "--config.mesh.tensor=8"):
+        assert flag in many.split(), flag
+    assert "--config.mesh.fsdp" not in many  # the user's mesh is kept
+    assert _gpu_dry_run("setup") == "EXTRAS=[gpu] . launch/_env.sh"
+    missing = subprocess.run(["bash", os.path.join(ROOT, "launch", "gpu.sh"), "--dry-run", "run"],
+                             env={**os.environ, "COORDINATOR": "h:1"}, capture_output=True, text=True, timeout=60)
+    assert missing.returncode != 0 and "NUM_PROCESSES" in missing.stderr
