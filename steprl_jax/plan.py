@@ -19,7 +19,6 @@ the order of magnitude (typically within tens of percent), not to the last megab
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -61,7 +60,7 @@ def plan(model: str, mesh_sizes: dict, batch: int, length: int, *, dtype: str = 
     from jax.sharding import Mesh
 
     from steprl_jax.models.presets import preset
-    from steprl_jax.models.sharding import LOGICAL_AXIS_RULES, state_shardings
+    from steprl_jax.models.sharding import LOGICAL_AXIS_RULES
     from steprl_jax.models.transformer import Transformer
     from steprl_jax.training import LossConfig, TrainStepConfig, make_train_step
     from steprl_jax.training.batch import Batch

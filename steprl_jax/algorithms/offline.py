@@ -26,6 +26,8 @@ from tqdm import tqdm
 
 from steprl_jax.training import (Checkpointer, LossConfig, OptimizerConfig, TrainStepConfig, create_train_state,
                                  lr_schedule, make_logprob_fn, make_optimizer, make_train_step)
+from steprl_jax.models import lora
+from steprl_jax.models.lora import LoraConfig
 from steprl_jax.models.sharding import batch_sharding
 from steprl_jax.training import distributed
 from steprl_jax.training.distributed import put_global
@@ -94,6 +96,12 @@ def copy_model(graphdef, params, rest):
     return merge_model(graphdef, jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, rest))
 
 
+def trainable_copy(model, lora_config: Optional[LoraConfig] = None, seed: int = 0):
+    """A copy of `model` to train: every parameter, or (with `lora_config`) adapters on a frozen copy."""
+    out = copy_model(*split_model(model))
+    return out if lora_config is None else lora.add_adapters(out, lora_config, seed=seed)
+
+
 def _split_rows(batch, parts: int):
     if parts == 1:
         return [batch]
@@ -102,11 +110,13 @@ def _split_rows(batch, parts: int):
 
 
 def train_offline(spec: OfflineSpec, model, *, workdir: str, seed: int, ref_params=None, progress: bool = True,
-                  base_source: Optional[str] = None, mesh_config=None):
+                  base_source: Optional[str] = None, mesh_config=None, lora_config: Optional[LoraConfig] = None):
     """Run (or resume) `spec`; returns (graphdef, final train state). With `base_source` (the
     load_pretrained source of `model`) the checkpoint folder loads as a policy itself.
     `mesh_config` (config.mesh): the trainer's mesh, and where each process's policy copy for
-    `spec.build` lives (training/distributed.py); every process builds the same global batch."""
+    `spec.build` lives (training/distributed.py); every process builds the same global batch.
+    `lora_config`: train low-rank adapters only (models/lora.py); the KL reference is then the
+    base model (the adapters as created), `ref_params` only says whether there is one."""
     if spec.attention_length > 0 and spec.loss.agg != "token_mean":
         raise ValueError(f"{spec.name}: regrouping rows (attention_length > 0) keeps the loss only under the "
                          f"token_mean aggregation, not {spec.loss.agg!r}")
@@ -116,8 +126,10 @@ def train_offline(spec: OfflineSpec, model, *, workdir: str, seed: int, ref_para
     mesh = distributed.train_mesh(mesh_config)
     bridge = distributed.SamplerBridge(mesh_config) if mesh is not None else None
     # On copies: the train step donates its state, and the caller's model must stay usable.
-    graphdef, state, shardings = create_train_state(copy_model(*split_model(model)), tx, seed=seed, mesh=mesh)
-    if ref_params is not None and mesh is not None:
+    graphdef, state, shardings = create_train_state(trainable_copy(model, lora_config, seed), tx, seed=seed, mesh=mesh)
+    if ref_params is not None and lora_config is not None:
+        ref_params = jax.tree.map(jnp.copy, state.params)  # B = 0: the base model
+    elif ref_params is not None and mesh is not None:
         ref_params = jax.device_put(ref_params, shardings.params)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints", spec.name), max_to_keep=2)
     if base_source is not None and distributed.is_primary():
@@ -135,10 +147,10 @@ def train_offline(spec: OfflineSpec, model, *, workdir: str, seed: int, ref_para
                                  mesh=mesh) if spec.loss.kl_coef > 0 else None
     metrics_log = MetricsLog(workdir, spec.name) if distributed.is_primary() else None
 
-    def policy_copy():  # for build: the train step donates the state's buffers
+    def policy_copy():  # for build: the train step donates the state's buffers; adapters merged
         if bridge is None:
-            return copy_model(graphdef, state.params, state.rest)
-        return merge_model(graphdef, *bridge((state.params, state.rest)))
+            return lora.merged(copy_model(graphdef, state.params, state.rest))
+        return lora.merged(merge_model(graphdef, *bridge((state.params, state.rest))))
 
     bar = tqdm(total=spec.updates, initial=start, desc=spec.name, disable=not progress)
     try:
@@ -244,7 +256,7 @@ def export_policy(graphdef, state, tokenizer, out_dir: str) -> Optional[str]:
     params, rest = (state.params, state.rest) if jax.process_count() == 1 else \
         distributed.host_copy((state.params, state.rest))
     out = None
-    if distributed.is_primary():
-        out = export_hf(merge_model(graphdef, params, rest), tokenizer, out_dir, overwrite=True)
+    if distributed.is_primary():  # LoRA adapters merged into the weights
+        out = export_hf(lora.merged(merge_model(graphdef, params, rest)), tokenizer, out_dir, overwrite=True)
     distributed.barrier(f"exported {out_dir}")
     return out

@@ -40,13 +40,15 @@ import time
 from typing import Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
 from steprl_jax.agents.records import TreeRecord
 from steprl_jax.agents.tasks import build_suite
 from steprl_jax.agents.tree_batch import judged_tree
-from steprl_jax.algorithms.offline import copy_model, export_policy, items_at, optimizer_config, train_on_rows
+from steprl_jax.algorithms.offline import (copy_model, export_policy, items_at, optimizer_config, train_on_rows,
+                                           trainable_copy)
 from steprl_jax.algorithms.rl import Algorithm, get_algorithm
 from steprl_jax.algorithms.tree_rows import LOSS_AGGS, WEIGHTINGS
 from steprl_jax.algorithms.workdir import check_manifest
@@ -54,6 +56,8 @@ from steprl_jax.evaluation.metrics import episode_terms, write_json_atomic, writ
 from steprl_jax.training import (Checkpointer, TrainStepConfig, create_train_state, lr_schedule,
                                  make_logprob_fn, make_optimizer, make_train_step)
 from steprl_jax.training.metrics_log import MetricsLog
+from steprl_jax.models import lora
+from steprl_jax.models.lora import LoraConfig
 from steprl_jax.training import distributed
 from steprl_jax.training.state import merge_model, split_model
 
@@ -148,7 +152,8 @@ def warm_start(config, model, tokenizer):
                            attention_length=float(config.rl.attention_length))
         graphdef, state = train_offline(spec, model, workdir=config.workdir, seed=int(config.seed),
                                         progress=bool(config.progress), base_source=config.model.source,
-                                        mesh_config=config.get("mesh"))
+                                        mesh_config=config.get("mesh"),
+                                        lora_config=LoraConfig.from_config(config.get("lora")))
         export_policy(graphdef, state, tokenizer, out)
     return load_pretrained(out, compute_dtype=dtype)[0], out
 
@@ -188,8 +193,9 @@ class OnlineLoop:
         steps = int(self.rl.iterations) * int(self.rl.ppo_epochs) * int(self.rl.minibatches)
         self.optimizer = optimizer_config(config, steps)
         tx = make_optimizer(self.optimizer)
-        self.graphdef, self.state, shardings = create_train_state(copy_model(*split_model(model)), tx, seed=self.seed,
-                                                                  mesh=self.mesh)
+        self.lora = LoraConfig.from_config(config.get("lora"))
+        self.graphdef, self.state, shardings = create_train_state(trainable_copy(model, self.lora, self.seed), tx,
+                                                                  seed=self.seed, mesh=self.mesh)
         self.ckpt = Checkpointer(_path(config, "checkpoints", "rl"), max_to_keep=2)
         if base_source is not None and distributed.is_primary():
             from steprl_jax.models.orbax_policy import write_policy_file
@@ -200,7 +206,10 @@ class OnlineLoop:
             mesh=self.mesh, state_shardings=shardings)
         self.ref_params = None
         self.logprob_fn = None
-        if self.loss.kl_coef > 0:
+        if self.loss.kl_coef > 0 and self.lora is not None:
+            self.ref_params = jax.tree.map(jnp.copy, self.state.params)  # adapters with B = 0: the base
+            self.logprob_fn = make_logprob_fn(self.graphdef, temperature=self.loss.temperature, mesh=self.mesh)
+        elif self.loss.kl_coef > 0:
             _, self.ref_params, _ = split_model(copy_model(*split_model(model)))  # frozen, its own buffers
             if self.mesh is not None:
                 self.ref_params = jax.device_put(self.ref_params, shardings.params)
@@ -232,11 +241,11 @@ class OnlineLoop:
             "next_tree_seed": iteration_seed(self.seed, iteration)})
 
     def _push_params(self) -> None:
-        if self.bridge is None:
-            self.sampler.set_params(copy_model(self.graphdef, self.state.params, self.state.rest))
+        if self.bridge is None:  # copies (the train step donates); LoRA adapters merged
+            self.sampler.set_params(lora.merged(copy_model(self.graphdef, self.state.params, self.state.rest)))
             return
         params, rest = self.bridge((self.state.params, self.state.rest))
-        self.sampler.set_params(merge_model(self.graphdef, params, rest))
+        self.sampler.set_params(lora.merged(merge_model(self.graphdef, params, rest)))
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict:

@@ -39,6 +39,7 @@ from steprl_jax.algorithms.rl import policy_temperature
 from steprl_jax.algorithms.workdir import check_manifest, clear_stage, mark_stage, stage_done
 from steprl_jax.data.units import Unit, read_units, write_units
 from steprl_jax.evaluation.metrics import write_json_atomic
+from steprl_jax.models.lora import LoraConfig
 from steprl_jax.training import LossConfig, distributed
 from steprl_jax.training.pack import Row, Span
 
@@ -415,7 +416,7 @@ def train(config, model, tokenizer) -> dict:
         _, ref, _ = split_model(copy_model(*split_model(model)))  # the frozen initial policy, its own buffers
     graphdef, state = train_offline(spec, model, workdir=config.workdir, seed=int(config.seed), ref_params=ref,
                                     progress=bool(config.progress), base_source=config.model.source,
-                                    mesh_config=config.get("mesh"))
+                                    mesh_config=config.get("mesh"), lora_config=LoraConfig.from_config(config.get("lora")))
     trained_steps = int(jax.device_get(state.step))
     if trained_steps:
         export_policy(graphdef, state, tokenizer, _path(config, "policy", "swirl"))
@@ -436,7 +437,7 @@ def sft(config, model, tokenizer) -> dict:
                        num_microbatches=int(s.num_microbatches), save_every=int(config.swirl.train.save_every))
     graphdef, state = train_offline(spec, model, workdir=config.workdir, seed=int(config.seed),
                                     progress=bool(config.progress), base_source=config.model.source,
-                                    mesh_config=config.get("mesh"))
+                                    mesh_config=config.get("mesh"), lora_config=LoraConfig.from_config(config.get("lora")))
     export_policy(graphdef, state, tokenizer, _path(config, "policy", "sft"))
     out = {"updates": updates, "trajectories": len(groups)}
     return out

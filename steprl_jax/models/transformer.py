@@ -26,6 +26,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from steprl_jax.models.config import ModelConfig, RopeConfig
 from steprl_jax.ops.matmul import mixed_einsum, projection
+from steprl_jax.models import lora
 
 _MASKED = -1e30  # finite, so a fully masked (padding) query row gives no NaN
 
@@ -151,12 +152,19 @@ class DecoderLayers(nnx.Module):
         self.down = _param(rngs, (L, F, D), ("layers", "mlp", "embed"))
 
     def stacked(self) -> dict:
-        return {name: value.get_value() for name, value in vars(self).items() if isinstance(value, nnx.Param)}
+        """The stacked weights by name (with LoRA, the adapters too: see `layer_weights`)."""
+        return {name: value.get_value() for name, value in vars(self).items() if isinstance(value, nnx.Variable)}
+
+    def layer_weights(self, p: dict) -> dict:
+        """A layer's weights as the decoder layer reads them: LoRA adapters folded in (models/lora.py)."""
+        scale = getattr(self, "lora_scale", None)
+        return p if scale is None else lora.merge_layer(p, scale)
 
     def unstacked(self) -> tuple:
-        """One parameter dict per layer (slices of the stacked arrays)."""
+        """One parameter dict per layer (slices of the stacked arrays, adapters merged)."""
         stacked = self.stacked()
-        return tuple({name: w[i] for name, w in stacked.items()} for i in range(len(self.attn_norm)))
+        return tuple(self.layer_weights({name: w[i] for name, w in stacked.items()})
+                     for i in range(len(self.attn_norm)))
 
 
 class Transformer(nnx.Module):
@@ -299,6 +307,7 @@ class Transformer(nnx.Module):
 
         def layer(h, xs):
             p, is_sliding = xs
+            p = self.layers.layer_weights(p)  # LoRA: merged one layer at a time
             cos, sin, bias = (jnp.where(is_sliding, l_, g_) for l_, g_ in zip(local, global_))
             h, _ = _decoder_layer(c, dtype, p, h, cos, sin, bias, None)
             return h, None
