@@ -2,7 +2,7 @@
 
     python -m steprl_jax.plan --model qwen2.5-7b --mesh fsdp=16,tensor=1 --batch 16 --length 4096 \\
         [--dtype bfloat16] [--remat qkvo_saveable] [--microbatches 1] \\
-        [--decode-batch 64 --context 8192 --sampler-mesh tensor=4] [--json PATH]
+        [--decode-batch 64 --context 8192 --sampler-mesh tensor=4] [--lora-rank 16] [--json PATH]
 
 Builds the train state with the preset's real shapes and no weights (abstract arrays), places it
 on a mesh of that many devices by the rules table, lowers and compiles the train step ahead of
@@ -50,7 +50,7 @@ def _bytes_per_device(tree, shardings) -> int:
 
 def plan(model: str, mesh_sizes: dict, batch: int, length: int, *, dtype: str = "bfloat16",
          remat: str = "qkvo_saveable", microbatches: int = 1, decode_batch: int = 0, context: int = 0,
-         sampler_mesh: dict | None = None) -> dict:
+         sampler_mesh: dict | None = None, lora_rank: int = 0) -> dict:
     """The plan as a dict (see the module docstring); needs prod(mesh) devices."""
     import jax
     import jax.numpy as jnp
@@ -59,6 +59,7 @@ def plan(model: str, mesh_sizes: dict, batch: int, length: int, *, dtype: str = 
     from flax import nnx
     from jax.sharding import Mesh
 
+    from steprl_jax.models import lora
     from steprl_jax.models.presets import preset
     from steprl_jax.models.sharding import LOGICAL_AXIS_RULES
     from steprl_jax.models.transformer import Transformer
@@ -71,13 +72,20 @@ def plan(model: str, mesh_sizes: dict, batch: int, length: int, *, dtype: str = 
         raise ValueError(f"the mesh {mesh_sizes} needs {n} devices; this process has {jax.device_count()}")
     mesh = Mesh(np.asarray(jax.devices()[:n]).reshape([mesh_sizes[a] for a in AXES]), AXES)
     cfg = preset(model, compute_dtype=dtype)
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    graphdef, params, rest = split_model(abstract)
+    def build():
+        model = Transformer(cfg, rngs=nnx.Rngs(0))
+        return lora.add_adapters(model, lora.LoraConfig(rank=lora_rank)) if lora_rank else model
+
+    abstract = nnx.eval_shape(build)
+    graphdef, params, rest = split_model(abstract)  # with LoRA: params = the adapters, rest = the base
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), params)
     tx = optax.adamw(1e-6)
     state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params, rest=rest,
                        opt_state=jax.eval_shape(tx.init, params), rng=jax.ShapeDtypeStruct((2,), jnp.uint32))
     shardings = train_state_shardings(state, mesh, LOGICAL_AXIS_RULES)
+    count = lambda t: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(t))
+    trainable_count = count(params)
+    base_count = count(nnx.state(abstract, lora.Frozen)) if lora_rank else trainable_count
     step = make_train_step(graphdef, tx, TrainStepConfig(loss=LossConfig(kind="policy", agg="token_mean"),
                                                          num_microbatches=microbatches, remat=remat or None),
                            mesh=mesh, state_shardings=shardings)
@@ -90,21 +98,22 @@ def plan(model: str, mesh_sizes: dict, batch: int, length: int, *, dtype: str = 
                                     is_leaf=lambda v: isinstance(v, nnx.Variable))
     param_bytes = _bytes_per_device(unwrap(state.params), unwrap(shardings.params))
     opt_bytes = _bytes_per_device(unwrap(state.opt_state), unwrap(shardings.opt_state))
+    frozen_bytes = _bytes_per_device(unwrap(state.rest), unwrap(shardings.rest))
     train = {"arguments": int(memory.argument_size_in_bytes), "outputs": int(memory.output_size_in_bytes),
              "donated": int(memory.alias_size_in_bytes), "temporaries": int(memory.temp_size_in_bytes),
-             "parameters": param_bytes, "optimizer_state": opt_bytes}
+             "parameters": param_bytes + frozen_bytes, "trainable": param_bytes, "optimizer_state": opt_bytes}
     train["peak"] = train["arguments"] + train["outputs"] - train["donated"] + train["temporaries"]
 
     sampler = {}
     if decode_batch and context:
         s = {**dict.fromkeys(AXES, 1), **(sampler_mesh or {})}
         itemsize = jnp.dtype(dtype).itemsize
-        weights = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params)) * itemsize
+        weights = base_count * itemsize
         kv = 2 * cfg.num_layers * decode_batch * context * cfg.num_kv_heads * cfg.head_dim * itemsize
         kv_split = s["data"] * s["fsdp"] * (s["tensor"] if cfg.num_kv_heads % s["tensor"] == 0 else 1)
         sampler = {"weights": weights // s["tensor"], "kv_cache": kv // kv_split, "mesh": s}
     total = train["peak"] + sampler.get("weights", 0) + sampler.get("kv_cache", 0)
-    return {"model": model, "parameters": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params)),
+    return {"model": model, "parameters": base_count, "trainable_parameters": trainable_count, "lora_rank": lora_rank,
             "mesh": mesh_sizes, "devices": n, "batch": batch, "length": length, "dtype": dtype, "remat": remat,
             "microbatches": microbatches, "train_per_device": train, "sampler_per_device": sampler,
             "total_per_device": total,
@@ -115,12 +124,15 @@ def plan(model: str, mesh_sizes: dict, batch: int, length: int, *, dtype: str = 
 
 def _print(result: dict) -> None:
     g = lambda b: f"{b / GIB:8.2f} GiB"
-    print(f"{result['model']}: {result['parameters'] / 1e9:.2f}B parameters; mesh {result['mesh']} "
+    print(f"{result['model']}: {result['parameters'] / 1e9:.2f}B parameters"
+          + (f" + LoRA rank {result['lora_rank']} ({result['trainable_parameters'] / 1e6:.1f}M trained)"
+             if result["lora_rank"] else "") + f"; mesh {result['mesh']} "
           f"({result['devices']} devices, compiled on {result['backend']}); batch {result['batch']} x "
           f"{result['length']} tokens, {result['dtype']}, remat {result['remat']}")
     t = result["train_per_device"]
     print("train step, per device:")
-    for key in ("parameters", "optimizer_state", "arguments", "outputs", "donated", "temporaries", "peak"):
+    for key in ("parameters", "trainable", "optimizer_state", "arguments", "outputs", "donated", "temporaries",
+                "peak"):
         print(f"  {key:<16}{g(t[key])}")
     s = result["sampler_per_device"]
     if s:
@@ -143,6 +155,7 @@ def main(argv=None) -> int:
     p.add_argument("--decode-batch", type=int, default=0, help="sampler rows (0: no sampler)")
     p.add_argument("--context", type=int, default=0, help="sampler context length")
     p.add_argument("--sampler-mesh", default="", help="sampler mesh over one host's devices, e.g. tensor=4")
+    p.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (0: every weight)")
     p.add_argument("--json", default="", help="write the plan here")
     args = p.parse_args(argv)
     mesh = parse_mesh(args.mesh)
@@ -158,7 +171,7 @@ def main(argv=None) -> int:
         os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
     result = plan(args.model, mesh, args.batch, args.length, dtype=args.dtype, remat=args.remat,
                   microbatches=args.microbatches, decode_batch=args.decode_batch, context=args.context,
-                  sampler_mesh=sampler_mesh)
+                  sampler_mesh=sampler_mesh, lora_rank=args.lora_rank)
     _print(result)
     if args.json:
         from steprl_jax.evaluation.metrics import write_json_atomic
