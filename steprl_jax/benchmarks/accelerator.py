@@ -19,7 +19,6 @@ import statistics
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 # device_kind substring -> (dense bf16 TFLOP/s, HBM GB/s)
