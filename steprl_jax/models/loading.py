@@ -12,13 +12,16 @@ import json
 import os
 from typing import Callable, Iterable, Optional
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from steprl_jax.models.config import ConfigError, ModelConfig
 from steprl_jax.models.hf_weights import canonical_name, weight_rules
 from steprl_jax.models.safetensors_io import SafetensorsFile
+from steprl_jax.models.sharding import LOGICAL_AXIS_RULES, logical_to_spec
 from steprl_jax.models.transformer import Transformer
 
 
@@ -43,8 +46,13 @@ def build_from_tensors(
     *,
     dtype=jnp.float32,
     source: str,
+    mesh=None,
+    rules: Optional[dict] = None,
 ) -> Transformer:
-    """Fill a Transformer from `fetch(hf_name) -> np.ndarray`; `available` lists the names present."""
+    """Fill a Transformer from `fetch(hf_name) -> np.ndarray`; `available` lists the names present.
+    With a `mesh`, each tensor goes from its host buffer straight to its shards (placed by the
+    logical-axis `rules`): no device ever holds more than its share, and the host at most one
+    tensor at a time."""
     available = set(available)
     model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
     used = set()
@@ -74,7 +82,11 @@ def build_from_tensors(
                 buffer[...] = tensor
             used.add(name)
             del tensor
-        param.set_value(jnp.asarray(buffer, dtype))
+        if mesh is None:
+            param.set_value(jnp.asarray(buffer, dtype))
+        else:
+            spec = logical_to_spec(param.get_metadata()["logical_axes"], shape, mesh, rules or LOGICAL_AXIS_RULES)
+            param.set_value(jax.device_put(buffer, NamedSharding(mesh, spec)))
         del buffer
     unexpected = sorted(
         n for n in available - used
@@ -98,8 +110,10 @@ def read_hf_config(directory: str, **overrides) -> ModelConfig:
     return config.replace(**overrides) if overrides else config
 
 
-def load_hf_directory(directory: str, *, dtype=jnp.float32, compute_dtype: Optional[str] = None) -> Transformer:
-    """Load `config.json` + `model.safetensors` (or a sharded index) from a directory."""
+def load_hf_directory(directory: str, *, dtype=jnp.float32, compute_dtype: Optional[str] = None, mesh=None,
+                      rules: Optional[dict] = None) -> Transformer:
+    """Load `config.json` + `model.safetensors` (or a sharded index) from a directory (with a
+    `mesh`: each tensor straight to its shards, see `build_from_tensors`)."""
     overrides = {"compute_dtype": compute_dtype} if compute_dtype else {}
     config = read_hf_config(directory, **overrides)
     files = safetensors_index(directory)
@@ -117,7 +131,7 @@ def load_hf_directory(directory: str, *, dtype=jnp.float32, compute_dtype: Optio
             raise CheckpointError(f"{path}: tensor {original!r} is listed in the index but not in the file")
         return opened[path].get(original)
 
-    return build_from_tensors(config, fetch, by_canonical, dtype=dtype, source=source)
+    return build_from_tensors(config, fetch, by_canonical, dtype=dtype, source=source, mesh=mesh, rules=rules)
 
 
 def safetensors_index(directory: str) -> dict[str, str]:

@@ -56,8 +56,9 @@ def resolve_source(source: str) -> str:
         f"{source!r} is neither a preset ({', '.join(PRESETS)}), a directory, nor a .gguf file")
 
 
-def load_pretrained(source: str, dtype=None, compute_dtype: Optional[str] = None):
-    """Load `(model, tokenizer)`.
+def load_pretrained(source: str, dtype=None, compute_dtype: Optional[str] = None, mesh=None):
+    """Load `(model, tokenizer)`. With a `mesh` every tensor goes from the file straight to its
+    shards (by the logical-axis rules), never whole onto one device.
 
     dtype: parameter dtype (default float32); compute_dtype: matmul input dtype,
     "float32" (exact) or "bfloat16" (f32 accumulation), default float32.
@@ -67,11 +68,17 @@ def load_pretrained(source: str, dtype=None, compute_dtype: Optional[str] = None
     from steprl_jax.models import orbax_policy
 
     if os.path.isdir(source) and orbax_policy.is_orbax_policy(source):  # a training run's checkpoints
-        return orbax_policy.load_orbax_policy(source, load_pretrained, dtype=dtype, compute_dtype=compute_dtype)
+        model, tokenizer = orbax_policy.load_orbax_policy(source, load_pretrained, dtype=dtype,
+                                                          compute_dtype=compute_dtype)
+        if mesh is not None:
+            from steprl_jax.models.sharding import shard_model
+
+            shard_model(model, mesh)
+        return model, tokenizer
     dtype = jnp.dtype(dtype or jnp.float32)
     path = resolve_source(source)
     if os.path.isdir(path):
-        model = load_hf_directory(path, dtype=dtype, compute_dtype=compute_dtype)
+        model = load_hf_directory(path, dtype=dtype, compute_dtype=compute_dtype, mesh=mesh)
         tokenizer = _hf_tokenizer(path)
     else:
         checkpoint = GGUFCheckpoint(path)
@@ -79,7 +86,8 @@ def load_pretrained(source: str, dtype=None, compute_dtype: Optional[str] = None
         config = checkpoint.config
         if compute_dtype:
             config = config.replace(compute_dtype=compute_dtype)
-        model = build_from_tensors(config, checkpoint.fetch, checkpoint.tensor_names, dtype=dtype, source=path)
+        model = build_from_tensors(config, checkpoint.fetch, checkpoint.tensor_names, dtype=dtype, source=path,
+                                   mesh=mesh)
     if tokenizer is not None:
         model.config = _with_special_ids(model.config, tokenizer)
     return model, tokenizer
