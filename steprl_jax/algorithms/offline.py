@@ -96,6 +96,12 @@ def copy_model(graphdef, params, rest):
     return merge_model(graphdef, jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, rest))
 
 
+def lora_fields(config) -> dict:
+    """config.lora as manifest fields: a checkpoint's tree depends on them."""
+    c = LoraConfig.from_config(config.get("lora"))
+    return {"lora": None if c is None else {"rank": c.rank, "alpha": c.alpha, "targets": list(c.targets)}}
+
+
 def trainable_copy(model, lora_config: Optional[LoraConfig] = None, seed: int = 0):
     """A copy of `model` to train: every parameter, or (with `lora_config`) adapters on a frozen copy."""
     out = copy_model(*split_model(model))
@@ -152,7 +158,7 @@ def train_offline(spec: OfflineSpec, model, *, workdir: str, seed: int, ref_para
             return lora.merged(copy_model(graphdef, state.params, state.rest))
         return lora.merged(merge_model(graphdef, *bridge((state.params, state.rest))))
 
-    bar = tqdm(total=spec.updates, initial=start, desc=spec.name, disable=not progress)
+    bar = tqdm(total=spec.updates, initial=start, desc=spec.name, disable=not progress or not distributed.is_primary())
     try:
         for update in range(start, spec.updates):
             t0 = time.perf_counter()
@@ -209,15 +215,17 @@ def train_on_rows(step_fn, state, rows, *, ppo_epochs: int = 1, minibatches: int
     shards = data_shards(mesh)
     host = pack_rows(rows, num_microbatches=num_microbatches * minibatches * shards, min_rows=min_rows,
                      max_length=max_length, attention_length=attention_length)
-    batch = host if mesh is None else put_global(host, lambda x: batch_sharding(mesh, ndim=x.ndim))
+    parts = _split_rows(host, minibatches)  # on the host, then each placed over the data shards
+    if mesh is not None:
+        parts = [put_global(part, lambda x: batch_sharding(mesh, ndim=x.ndim)) for part in parts]
     if logprob_fn is not None:
-        batch = batch.replace(ref_logp=logprob_fn(ref_params, state.rest, batch.tokens, batch.attention_mask,
-                                                  batch.loss_mask, batch.positions, batch.branch_ids,
-                                                  batch.branch_ends))
+        parts = [part.replace(ref_logp=logprob_fn(ref_params, state.rest, part.tokens, part.attention_mask,
+                                                  part.loss_mask, part.positions, part.branch_ids, part.branch_ends))
+                 for part in parts]
     t1 = time.perf_counter()
     step_metrics = []
     for _ in range(ppo_epochs):
-        for part in _split_rows(batch, minibatches):
+        for part in parts:
             state, m = step_fn(state, part)
             step_metrics.append(m)
     step_metrics = jax.device_get(step_metrics)

@@ -47,8 +47,8 @@ from tqdm import tqdm
 from steprl_jax.agents.records import TreeRecord
 from steprl_jax.agents.tasks import build_suite
 from steprl_jax.agents.tree_batch import judged_tree
-from steprl_jax.algorithms.offline import (copy_model, export_policy, items_at, optimizer_config, train_on_rows,
-                                           trainable_copy)
+from steprl_jax.algorithms.offline import (copy_model, export_policy, items_at, lora_fields, optimizer_config,
+                                           train_on_rows, trainable_copy)
 from steprl_jax.algorithms.rl import Algorithm, get_algorithm
 from steprl_jax.algorithms.tree_rows import LOSS_AGGS, WEIGHTINGS
 from steprl_jax.algorithms.workdir import check_manifest
@@ -110,7 +110,7 @@ def run(config, model_and_tokenizer=None) -> dict:
         "task.name": config.task.name, "task.num_tasks": int(config.task.num_tasks),
         "task.offset": int(config.task.offset), "seed": int(config.seed), "n": int(config.rollout.tree.n),
         "rollout.max_steps": int(config.rollout.max_steps), "warm_start.source": config.rl.warm_start.source,
-        "warm_start.updates": int(config.rl.warm_start.updates)})
+        "warm_start.updates": int(config.rl.warm_start.updates), **lora_fields(config)})
     from steprl_jax.models import load_pretrained
 
     model, tokenizer = model_and_tokenizer or load_pretrained(config.model.source,
@@ -253,7 +253,8 @@ class OnlineLoop:
         if start:
             self._push_params()
         iterations = int(self.rl.iterations)
-        bar = tqdm(total=iterations, initial=start, desc=f"rl/{self.algorithm.name}", disable=not self.config.progress)
+        bar = tqdm(total=iterations, initial=start, desc=f"rl/{self.algorithm.name}",
+                   disable=not self.config.progress or not distributed.is_primary())
         summary = {}
         try:
             for it in range(start, iterations):

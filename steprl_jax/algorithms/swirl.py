@@ -34,7 +34,8 @@ from tqdm import tqdm
 from steprl_jax.agents.records import RecordStore, Trajectory
 from steprl_jax.agents.tasks import build_suite
 from steprl_jax.algorithms import sft as sft_lib
-from steprl_jax.algorithms.offline import OfflineSpec, export_policy, optimizer_config, train_offline, update_key
+from steprl_jax.algorithms.offline import (OfflineSpec, export_policy, lora_fields, optimizer_config, train_offline,
+                                           update_key)
 from steprl_jax.algorithms.rl import policy_temperature
 from steprl_jax.algorithms.workdir import check_manifest, clear_stage, mark_stage, stage_done
 from steprl_jax.data.units import Unit, read_units, write_units
@@ -99,7 +100,7 @@ def run(config, model_and_tokenizer=None) -> dict:
         "task.path": config.task.path, "task.num_tasks": int(config.task.num_tasks),
         "task.offset": int(config.task.offset), "seed": int(config.seed),
         "swirl.samples_per_question": int(config.swirl.samples_per_question),
-        "rollout.max_steps": int(config.rollout.max_steps)})
+        "rollout.max_steps": int(config.rollout.max_steps), **lora_fields(config)})
     from steprl_jax.models import load_pretrained
 
     model, tokenizer = model_and_tokenizer or load_pretrained(config.model.source,

@@ -64,6 +64,7 @@ def mark_stage(workdir: str, stage: str, summary: Mapping[str, Any]) -> None:
 
 
 def clear_stage(workdir: str, stage: str) -> None:
-    path = _marker(workdir, stage)
-    if os.path.exists(path):
-        os.remove(path)
+    try:  # several processes may clear the same marker
+        os.remove(_marker(workdir, stage))
+    except FileNotFoundError:
+        pass

@@ -102,7 +102,7 @@ def main(argv=None) -> dict:
     tflops, hbm = a.peak_tflops or peaks[0], a.hbm_gbs or peaks[1]
     cfg = preset(a.model, compute_dtype="bfloat16")
     model = Transformer(cfg, rngs=nnx.Rngs(0))
-    weight_bytes = 2 * (matmul_params(cfg) + (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.hidden_size))
+    weight_bytes = 2 * matmul_params(cfg)  # bf16; the unembedding is counted once in matmul_params
     out = {"device": device.device_kind, "backend": jax.default_backend(), "model": a.model,
            "peak_tflops": tflops, "hbm_gbs": hbm, "decode": [], "train": {}}
     print(f"{device.device_kind} ({jax.default_backend()}): peak {tflops:.0f} TFLOP/s bf16, {hbm:.0f} GB/s; "

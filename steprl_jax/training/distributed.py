@@ -98,7 +98,7 @@ def allgather_json(obj: Any) -> list:
 
     data = np.frombuffer(json.dumps(obj, ensure_ascii=False).encode(), np.uint8)
     sizes = np.asarray(multihost_utils.process_allgather(np.int64(data.size))).reshape(-1)
-    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded = np.zeros(1 << max(10, int(sizes.max() - 1).bit_length()), np.uint8)  # few sizes: few programs
     padded[:data.size] = data
     gathered = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
     return [json.loads(bytes(gathered[p, :int(sizes[p])]).decode()) for p in range(len(sizes))]
@@ -211,20 +211,24 @@ class SamplerBridge:
         if key not in self._reshard:
             out = jax.tree.map(lambda x: NamedSharding(self._stacked, self._split_spec(x.shape)), values)
             self._reshard[key] = jax.jit(lambda x: x, out_shardings=out)
-        moved = self._reshard[key](values)
         target = state_shardings(state, self.local_mesh, self.rules)
+        if jax.process_count() == 1:  # one process: a plain device-to-device move (any device sets)
+            moved = jax.tree.map(lambda v, s: (s.get_value() if is_var(s) else s), values, target, is_leaf=is_var)
+            out = jax.device_put(values, moved)
+            # the same sharding returns the very array: copy it, the trainer donates its buffers
+            out = jax.tree.map(lambda o, v: jax.numpy.copy(o) if o is v else o, out, values)
+            return jax.tree.map(lambda var, x: var.replace(x) if is_var(var) else x, state, out, is_leaf=is_var)
+        moved = self._reshard[key](values)
 
-        def to_sampler(var, original, array, sharding):
+        def to_sampler(var, array, sharding):
             sharding = sharding.get_value() if is_var(sharding) else sharding
             own = jax.make_array_from_single_device_arrays(
                 array.shape, NamedSharding(self._own, array.sharding.spec),
                 [s.data for s in array.addressable_shards])
             out = jax.device_put(own, sharding)
-            if array is original:  # the reshard forwarded the trainer's buffer, which it donates
-                out = jax.numpy.copy(out)
             return var.replace(out) if is_var(var) else out
 
-        return jax.tree.map(to_sampler, state, values, moved, target, is_leaf=is_var)
+        return jax.tree.map(to_sampler, state, moved, target, is_leaf=is_var)
 
 
 def put_global(tree, sharding_of):

@@ -41,12 +41,19 @@ def create_train_state(model: nnx.Module, tx: optax.GradientTransformation, *, s
     `shardings` is the matching pytree of NamedShardings (None without a mesh)."""
     graphdef, params, rest = split_model(model)
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
-    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, rest=rest,
-                       opt_state=tx.init(params), rng=jax.random.PRNGKey(seed))
     if mesh is None:
+        state = TrainState(step=jnp.zeros((), jnp.int32), params=params, rest=rest,
+                           opt_state=tx.init(params), rng=jax.random.PRNGKey(seed))
         return graphdef, state, None
-    shardings = train_state_shardings(state, mesh, rules)
-    return graphdef, jax.device_put(state, shardings), shardings
+    abstract = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params, rest=rest,
+                          opt_state=jax.eval_shape(tx.init, params), rng=jax.ShapeDtypeStruct((2,), jnp.uint32))
+    shardings = train_state_shardings(abstract, mesh, rules)
+    # Parameters placed first; the optimizer state is created on its shards (never whole on a device).
+    params, rest = jax.device_put((params, rest), (shardings.params, shardings.rest))
+    state = TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), shardings.step), params=params, rest=rest,
+                       opt_state=jax.jit(tx.init, out_shardings=shardings.opt_state)(params),
+                       rng=jax.device_put(jax.random.PRNGKey(seed), shardings.rng))
+    return graphdef, state, shardings
 
 
 def train_state_shardings(state: TrainState, mesh: Mesh, rules: dict = LOGICAL_AXIS_RULES):
