@@ -374,8 +374,7 @@ class Stage2Builder:
         t0 = time.perf_counter()
         state = self.sampler.prefill([list(units[i].state_ids) for i in mine])
         state = self.sampler.fork(state, [r for r in range(len(mine)) for _ in range(G)])
-        index = np.zeros(state.num_rows, np.uint32)  # each row's global sample index (padding: 0)
-        index[:len(mine) * G] = [i * G + g for i in mine for g in range(G)]
+        index = np.asarray([i * G + g for i in mine for g in range(G)], np.uint32)  # row -> global sample index
         keys = jax.vmap(jax.random.fold_in, (None, 0))(update_key(self.seed, update), index)
         _, gens = self.sampler.generate(state, keys, max_new_tokens=self.max_new_tokens,
                                         params=SamplingParams(temperature=self.temperature), stop=self.stop)
