@@ -207,10 +207,6 @@ class SamplerBridge:
 
         is_var = lambda x: isinstance(x, nnx.Variable)
         values = jax.tree.map(lambda v: v.get_value() if is_var(v) else v, state, is_leaf=is_var)
-        key = jax.tree.structure(values)
-        if key not in self._reshard:
-            out = jax.tree.map(lambda x: NamedSharding(self._stacked, self._split_spec(x.shape)), values)
-            self._reshard[key] = jax.jit(lambda x: x, out_shardings=out)
         target = state_shardings(state, self.local_mesh, self.rules)
         if jax.process_count() == 1:  # one process: a plain device-to-device move (any device sets)
             moved = jax.tree.map(lambda v, s: (s.get_value() if is_var(s) else s), values, target, is_leaf=is_var)
@@ -218,6 +214,10 @@ class SamplerBridge:
             # the same sharding returns the very array: copy it, the trainer donates its buffers
             out = jax.tree.map(lambda o, v: jax.numpy.copy(o) if o is v else o, out, values)
             return jax.tree.map(lambda var, x: var.replace(x) if is_var(var) else x, state, out, is_leaf=is_var)
+        key = jax.tree.structure(values)
+        if key not in self._reshard:  # one program per parameter tree
+            out = jax.tree.map(lambda x: NamedSharding(self._stacked, self._split_spec(x.shape)), values)
+            self._reshard[key] = jax.jit(lambda x: x, out_shardings=out)
         moved = self._reshard[key](values)
 
         def to_sampler(var, array, sharding):
@@ -236,6 +236,3 @@ def put_global(tree, sharding_of):
     leaf's sharding. None leaves stay None."""
     return jax.tree.map(lambda x: None if x is None else jax.device_put(x, sharding_of(x)), tree)
 
-
-def replicated(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, PartitionSpec())
