@@ -133,7 +133,7 @@ class HttpChatBackend:
             with self._opener.open(request, timeout=self.timeout_s) as response:
                 payload = response.read()
         except urllib.error.HTTPError as error:
-            detail = _snippet(error.read() if error.fp else b"")
+            detail = _snippet(self._scrub_bytes(error.read() if error.fp else b""))
             reason = f"HTTP {error.code}" + (f": {detail}" if detail else "")
             if error.code in RETRYABLE_STATUS:
                 raise _Retryable(reason, _retry_after(error.headers)) from None
@@ -146,10 +146,14 @@ class HttpChatBackend:
             raise _Retryable(f"connection failed: {error.reason}") from None
         except (ConnectionError, OSError, http.client.HTTPException) as error:  # resets, truncated replies
             raise _Retryable(f"connection failed: {type(error).__name__}: {error}") from None
-        return _read_choices(payload)
+        return _read_choices(self._scrub_bytes(payload))
 
+    # The key is scrubbed before anything is cut short, so that no prefix of it survives in a reason.
     def _scrub(self, text: str) -> str:
         return text.replace(self._api_key, "***") if self._api_key else text
+
+    def _scrub_bytes(self, raw: bytes) -> bytes:
+        return raw.replace(self._api_key.encode(), b"***") if self._api_key else raw
 
 
 def _snippet(raw: bytes) -> str:
