@@ -8,30 +8,32 @@ setup(
     packages=find_packages(include=["steprl_jax", "steprl_jax.*"]),
     # Every third-party module steprl_jax imports at run time (no comments inside this list: CI's check
     # reads it as text). jinja2: transformers' apply_chat_template needs it but lists it only in an
-    # extra. tensorboardX: training runs write TensorBoard event files.
+    # extra. tensorboardX: training runs write TensorBoard event files. Every range is closed above at
+    # the next major (or minor, before 1.0) series than the one CI installs and tests
+    # (tests/test_versions.py checks the installed versions against these ranges).
     install_requires=[
         "jax>=0.7,<0.11",
         "flax>=0.12,<0.13",
         "optax>=0.2.5,<0.3",
         "orbax-checkpoint>=0.11,<0.13",
-        "tensorstore>=0.1.70",
+        "tensorstore>=0.1.70,<0.2",
         "ml-collections>=1.0,<2",
-        "absl-py>=1.4",
+        "absl-py>=1.4,<3",
         "transformers>=4.56,<6",
-        "jinja2>=3.1",
+        "jinja2>=3.1,<4",
         "tokenizers>=0.21,<1",
         "safetensors>=0.5,<1",
         "gguf>=0.17,<1",
         "numpy>=1.26,<3",
-        "ml-dtypes>=0.4",
+        "ml-dtypes>=0.4,<1",
         "jsonschema>=4.20,<5",
         "bm25s>=0.2.10,<0.4",
-        "tqdm>=4.66",
-        "matplotlib>=3.8",
-        "tensorboardX>=2.6",
+        "tqdm>=4.66,<5",
+        "matplotlib>=3.8,<4",
+        "tensorboardX>=2.6,<3",
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6.100", "torch==2.13.0", "accelerate>=1.0"],
+        "test": ["pytest>=8,<10", "hypothesis>=6.100,<7", "torch==2.13.0", "accelerate>=1.0,<2"],
         "tpu": ["jax[tpu]>=0.7,<0.11"],
         "gpu": ["jax[cuda12]>=0.7,<0.11"],
         "bench": ["torch==2.13.0", "trl>=1.16,<2"],
