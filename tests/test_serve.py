@@ -1,7 +1,10 @@
 """The OpenAI-compatible server, for real on 127.0.0.1, over a tiny random model and a byte-level tokenizer;
-the HTTP judge and the local judge pointed at it."""
+the HTTP judge and the local judge pointed at it; OpenAI's own Python client against it (streaming,
+errors, limits); the load generator."""
 import concurrent.futures
 import json
+import socket
+import time
 import urllib.error
 import urllib.request
 
@@ -13,10 +16,23 @@ from steprl_jax.judges.local_backend import LocalChatBackend
 from steprl_jax.judges.model_judges import ProcessJudge, TrajectoryVerdictJudge
 from steprl_jax.judges.items import StepItem, TrajectoryItem
 from steprl_jax.models import ModelConfig, Transformer
-from steprl_jax.serve import ChatEngine, ChatServer, parse_tool_calls, render_prompt
+from steprl_jax.serve import ChatEngine, ChatServer, Completion, Delta, ServerLimits, parse_tool_calls, render_prompt
+from steprl_jax.serve.app import ChatRequest, completion_response, stream_chunks
+from steprl_jax.serve.engine import IncrementalText
 
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
           "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+try:
+    import openai  # the `test` extra
+except ImportError:
+    openai = None
+needs_openai = pytest.mark.skipif(openai is None, reason="needs the openai package (pip install openai)")
+
+
+def openai_client(server, api_key="unused", timeout=120):
+    return openai.OpenAI(base_url=server.url, api_key=api_key, max_retries=0, timeout=timeout)
 
 
 def byte_tokenizer():
@@ -101,7 +117,10 @@ def test_greedy_and_seeded_sampling_are_reproducible_whatever_the_batch(server):
 
 @pytest.mark.parametrize("body, status, fragment", [
     ({"model": "gpt-x", "messages": USER}, 404, "not served here"),
-    ({"messages": USER, "stream": True}, 400, "streaming"),
+    ({"messages": USER, "stream": "yes"}, 400, "stream must be"),
+    ({"messages": USER, "max_tokens": 5000}, 400, "max_tokens is 5000; this server allows at most 4096"),
+    ({"messages": USER, "max_completion_tokens": 4097}, 400, "max_completion_tokens is 4097"),
+    ({"messages": USER, "seed": 2 ** 70}, 400, "seed"),
     ({"messages": []}, 400, "messages"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
     ({"messages": USER, "n": 1000}, 400, "n must be"),
@@ -116,15 +135,23 @@ def test_bad_requests_get_openai_errors(server, body, status, fragment):
     assert got == status and fragment in reply["error"]["message"]
 
 
-def test_unknown_route_and_api_key(tiny):
-    model, tokenizer = tiny
-    guarded = ChatServer(ChatEngine(model, tokenizer, max_context=512), "tiny", port=0, api_key="k-123").start()
+def test_unknown_route_and_api_key(server):
+    guarded = ChatServer(server.engine, "tiny", port=0, api_key="k-123").start()
     try:
         assert call(guarded.url + "/models")[0] == 401
         assert call(guarded.url + "/models", headers={"Authorization": "Bearer k-123"})[0] == 200
         assert call(guarded.url + "/nothing", headers={"Authorization": "Bearer k-123"})[0] == 404
+        if openai is None:
+            return
+        # OpenAI's client: a wrong key is its AuthenticationError; the right one works.
+        with pytest.raises(openai.AuthenticationError) as info:
+            openai_client(guarded, api_key="k-124").models.list()
+        assert info.value.status_code == 401 and info.value.code == "invalid_api_key"
+        reply = openai_client(guarded, api_key="k-123").chat.completions.create(
+            model="tiny", messages=USER, max_tokens=3, temperature=0)
+        assert reply.choices[0].message.role == "assistant"
     finally:
-        guarded.close()
+        guarded.close(close_engine=False)
 
 
 def test_stop_strings_are_not_returned(server):
@@ -178,3 +205,255 @@ def test_local_judge_backend_batches_concurrent_items(server, tiny):
     verdicts = judge.judge([TrajectoryItem(f"q{i}", "", reference="r") for i in range(4)])
     assert len(verdicts) == 4 and all(len(v.raw) == 2 for v in verdicts)
     assert judge.stats.snapshot()["verdicts"] == 4
+
+
+# ----------------------------------------------------------------------------- streaming, OpenAI's client
+def reassemble(stream):
+    """{index: text}, {index: finish_reason}, usage, content chunks, roles of a chunk stream."""
+    texts, finish, usage, pieces, roles = {}, {}, None, 0, []
+    for chunk in stream:
+        assert chunk.object == "chat.completion.chunk"
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            if choice.delta.role:
+                roles.append(choice.delta.role)
+            if choice.delta.content:
+                pieces += 1
+                texts[choice.index] = texts.get(choice.index, "") + choice.delta.content
+            if choice.finish_reason:
+                finish[choice.index] = choice.finish_reason
+    return texts, finish, usage, pieces, roles
+
+
+@needs_openai
+def test_openai_client_streams_exactly_the_plain_reply(server):
+    client = openai_client(server)
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    # Sampled text of the random model is random bytes: multi-byte characters split over tokens and chunks.
+    body = dict(model="tiny", messages=USER, max_tokens=40, temperature=1.0, seed=11)
+    plain = client.chat.completions.create(**body)
+    texts, finish, usage, pieces, roles = reassemble(client.chat.completions.create(
+        **body, stream=True, stream_options={"include_usage": True}))
+    assert texts.get(0, "") == plain.choices[0].message.content and roles == ["assistant"]
+    assert finish == {0: plain.choices[0].finish_reason}
+    assert usage.completion_tokens == plain.usage.completion_tokens and usage.prompt_tokens == plain.usage.prompt_tokens
+    if plain.usage.completion_tokens > 2 * server.engine.decode_chunk:
+        assert pieces >= 2  # sent as it was decoded, not at the end
+    # The client's streaming helper accumulates the final completion itself (and wants it to end with a stop).
+    stop = stop_inside(plain.choices[0].message.content)
+    want = client.chat.completions.create(**body, stop=stop).choices[0]
+    with client.chat.completions.stream(**body, stop=stop) as stream:
+        final = stream.get_final_completion()
+    assert final.choices[0].message.content == want.message.content and want.finish_reason == "stop"
+
+
+def stop_inside(text: str) -> str:
+    """Two characters from the middle of `text` that the model wrote (not a replacement for broken bytes)."""
+    for i in range(3, len(text) - 1):
+        if "\ufffd" not in text[i:i + 2]:
+            return text[i:i + 2]
+    pytest.skip("the random model wrote too little text")
+
+
+@needs_openai
+def test_openai_client_streams_n_choices_and_stop_strings(server):
+    client = openai_client(server)
+    body = dict(model="tiny", messages=USER, max_tokens=20, temperature=1.0, seed=5, n=2)
+    plain = client.chat.completions.create(**body)
+    texts, finish, _, _, roles = reassemble(client.chat.completions.create(**body, stream=True))
+    assert roles == ["assistant", "assistant"]
+    assert [texts.get(i, "") for i in (0, 1)] == [c.message.content for c in plain.choices]
+    assert finish == {c.index: c.finish_reason for c in plain.choices}
+    # A stop string from the middle of the text: the stream never sends what the stop cuts.
+    text = plain.choices[0].message.content
+    stop = stop_inside(text)
+    body = dict(model="tiny", messages=USER, max_tokens=20, temperature=1.0, seed=5, stop=[stop])
+    plain = client.chat.completions.create(**body).choices[0]
+    texts, finish, _, _, _ = reassemble(client.chat.completions.create(**body, stream=True))
+    assert plain.message.content == text[:text.index(stop)] and plain.finish_reason == "stop"
+    assert texts.get(0, "") == plain.message.content and finish == {0: "stop"}
+
+
+@needs_openai
+def test_openai_client_error_classes(server):
+    client = openai_client(server)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=USER, max_tokens=5000)
+    assert info.value.status_code == 400 and info.value.param == "max_tokens" and "max_tokens" in info.value.message
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=USER, n=17, stream=True)
+    assert info.value.param == "n"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-x", messages=USER)
+
+
+def test_incremental_text_holds_back_partial_characters_and_stop_prefixes():
+    table = [bytes([i]) for i in range(256)]
+    text = IncrementalText(table, stop=("END",))
+    ids = list("aé€E".encode())  # é: 2 bytes, €: 3 bytes
+    assert text.update(ids[:2]) == "a"  # half of é
+    assert text.update(ids[:4]) == "é"  # é, then the first byte of €
+    assert text.update(ids[:6]) == "€"
+    assert text.update(ids[:7]) == ""  # "E" may start "END"
+    assert text.update(ids[:7] + list(b"x")) == "Ex"
+    assert text.update(ids[:7] + list(b"xEN")) == ""  # "EN" too
+    assert text.finish("aé€Ex") == "" and text.sent == "aé€Ex"  # "END" came: the final text stops before it
+    # Invalid bytes are replaced once they are known to be invalid, as the final decode does.
+    text = IncrementalText(table, stop=())
+    assert text.update([0xE2, 0x82]) == "" and text.update([0xE2, 0x82, 0x41]) == "\ufffdA"
+
+
+@needs_openai
+def test_streamed_tool_calls_add_up_to_the_plain_reply():
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.types.chat import ChatCompletionChunk
+
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    request = ChatRequest(messages=USER, n=2, temperature=0, top_p=1, max_tokens=64, stop=(), tools=tools, seed=None,
+                          stream=True, include_usage=True)
+    texts = ['  Let me look. <tool_call>{"name": "weather", "arguments": {"city": "Paris"}}</tool_call>\n',
+             "No tool is needed. <tool"]
+    completions = [Completion(t, "stop", 7, 9) for t in texts]
+    # The text arrives in pieces, as after decode chunks; the last piece carries the completion.
+    deltas = []
+    for i, (text, completion) in enumerate(zip(texts, completions)):
+        pieces = [text[j:j + 5] for j in range(0, len(text), 5)]
+        deltas += [Delta(i, p) for p in pieces[:-1]] + [Delta(i, pieces[-1], completion)]
+    assert ["".join(d.text for d in deltas if d.index == i) for i in (0, 1)] == texts
+    chunks = list(stream_chunks("tiny", request, 7, deltas))
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 18
+    sent = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks[:-1] if c["choices"][0]["index"] == 0)
+    assert "<tool" not in sent and not sent.startswith(" ")  # never content that becomes a tool call
+    state = ChatCompletionStreamState(input_tools=tools)
+    for chunk in chunks:
+        state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
+    streamed = state.get_final_completion()
+    plain = completion_response("tiny", request, completions)
+    for got, want in zip(streamed.choices, plain["choices"]):
+        assert got.finish_reason == want["finish_reason"] and got.message.content == want["message"]["content"]
+        calls = want["message"].get("tool_calls") or []
+        assert [(c.function.name, c.function.arguments) for c in got.message.tool_calls or []] == \
+            [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+    first = plain["choices"][0]
+    assert first["finish_reason"] == "tool_calls" and first["message"]["content"] == "Let me look."
+    assert plain["choices"][1]["message"]["content"] == "No tool is needed. <tool"
+
+
+# ----------------------------------------------------------------------------- limits
+@pytest.fixture(scope="module")
+def limited(server):
+    """A second server on the same engine, with tight limits."""
+    limits = ServerLimits(max_concurrent_requests=2, request_timeout_s=1.0, client_timeout_s=0.5, max_body_bytes=4096)
+    running = ChatServer(server.engine, "tiny", port=0, limits=limits).start()
+    yield running
+    running.close(close_engine=False)
+
+
+def wait_for(predicate, timeout=30.0):
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.02)
+
+
+@needs_openai
+def test_concurrency_limit_answers_429_and_timeouts_504_and_free_their_slots(server, limited):
+    client = openai_client(limited, timeout=30)
+    in_flight = lambda: call(limited.url.removesuffix("/v1") + "/health")[1]["in_flight"]  # noqa: E731
+    body = dict(model="tiny", messages=USER, max_tokens=4, temperature=0)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        # While the engine's lock is held no request reaches it: two stay in flight, past their timeout.
+        with server.engine._cv:
+            plain = pool.submit(client.chat.completions.create, **body)
+            streamed = pool.submit(lambda: reassemble(client.chat.completions.create(**body, stream=True)))
+            wait_for(lambda: in_flight() == 2)
+            started = time.monotonic()
+            with pytest.raises(openai.RateLimitError) as info:
+                client.chat.completions.create(**body)
+            assert time.monotonic() - started < 5  # at once, not after the others
+            assert info.value.status_code == 429 and info.value.code == "rate_limit_exceeded"
+            assert info.value.response.headers["retry-after"] == "1"
+            time.sleep(1.1)
+        with pytest.raises(openai.InternalServerError) as info:
+            plain.result()
+        assert info.value.status_code == 504 and info.value.code == "timeout"
+        with pytest.raises(openai.APIError, match="did not finish within 1.0 s"):
+            streamed.result()  # after the headers: an error event, which the client raises
+    wait_for(lambda: in_flight() == 0)
+    assert server.engine.complete(USER, max_tokens=2, temperature=0, timeout=60)[0].completion_tokens == 2
+
+
+def test_cancelled_generation_stops_at_its_next_decode_chunk(server):
+    engine = server.engine
+    job = engine.submit(USER, max_tokens=1500, temperature=0, stream=True)  # greedy: ~1500 tokens, no end of turn
+    first = job.next_delta(timeout=120)
+    assert first is not None and first.completion is None
+    job.cancel()
+    assert engine.complete(USER, max_tokens=2, temperature=0, timeout=120)[0].completion_tokens == 2
+    # Had its rows run on, the worker would have finished them (and sent the completion) first.
+    while (delta := job.next_delta(timeout=0)) is not None:
+        assert delta.completion is None
+
+
+def test_slow_and_oversized_requests(limited):
+    host, port = limited.httpd.server_address[:2]
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n{\"mess")
+    # A body that stops halfway: 408 once the client timeout (0.5 s) has passed, and the connection closes.
+    with socket.create_connection((host, port), timeout=10) as sock:
+        sock.sendall(head)
+        reply = b""
+        while chunk := sock.recv(4096):
+            reply += chunk
+        assert reply.startswith(b"HTTP/1.1 408") and b"request_timeout" in reply
+    # A body that trickles in (a byte every 0.1 s: 9 s for all of it) is cut off too.
+    with socket.create_connection((host, port), timeout=10) as sock:
+        sock.sendall(head)
+        sock.settimeout(0.1)
+        started, reply = time.monotonic(), b""
+        while time.monotonic() - started < 10:
+            try:
+                chunk = sock.recv(4096)
+            except socket.timeout:
+                try:
+                    sock.sendall(b" ")
+                except OSError:
+                    break
+                continue
+            except OSError:  # reset: the server closed with our trickled bytes unread
+                break
+            if not chunk:
+                break
+            reply += chunk
+        assert time.monotonic() - started < 5
+        assert reply == b"" or reply.startswith(b"HTTP/1.1 408")
+    # An idle connection is closed after the client timeout.
+    with socket.create_connection((host, port), timeout=10) as sock:
+        assert sock.recv(4096) == b""
+    status, reply = call(limited.url + "/chat/completions", {"messages": [{"role": "user", "content": "x" * 5000}]})
+    assert status == 413 and "at most 4096" in reply["error"]["message"]
+
+
+def test_streaming_to_an_http10_client_ends_with_the_connection(server):
+    host, port = server.httpd.server_address[:2]
+    body = json.dumps({"messages": USER, "max_tokens": 4, "temperature": 0, "stream": True}).encode()
+    with socket.create_connection((host, port), timeout=60) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    head, _, events = reply.partition(b"\r\n\r\n")
+    assert b"200 OK" in head and b"Transfer-Encoding" not in head and b"Connection: close" in head
+    events = [e for e in events.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]" and json.loads(events[-2][6:])["choices"][0]["finish_reason"]
+
+
+def test_load_generator_runs_against_the_server(server):
+    from steprl_jax.benchmarks.serve_load import format_summary, run_load
+
+    summary = run_load(server.url, "tiny", clients=3, requests_per_client=2, max_tokens=6, duration_s=120)
+    assert summary["ok"] == summary["sent"] == 6 and summary["errors"] == 0 and summary["mismatches"] == 0
+    assert summary["streamed"] == 3 and summary["duplicate_ids"] == 0 and summary["responses_429"] == 0
+    assert summary["latency_s"]["p50"] > 0 and summary["tokens_per_s"] > 0
+    assert "mismatches 0" in format_summary("tiny", summary)

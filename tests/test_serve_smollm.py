@@ -23,7 +23,8 @@ def served():
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     process = subprocess.Popen(
         [sys.executable, "-m", "steprl_jax.serve", "--model", MODEL, "--port", "0", "--max-context", "1024",
-         "--min-batch-rows", "2", "--log-level", "WARNING"],
+         "--min-batch-rows", "2", "--max-tokens-limit", "256", "--max-concurrent-requests", "8",
+         "--request-timeout-s", "300", "--log-level", "WARNING"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(l) for l in process.stdout], daemon=True).start()
@@ -58,14 +59,38 @@ def test_http_outcome_judge_against_served_smollm(served, tmp_path):
     assert judge.backend.backend.stats["failures"] == 0
 
 
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "current weather of a city",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}}}}}]
+
+
 def test_chat_with_tools_against_served_smollm(served):
-    tools = [{"type": "function", "function": {"name": "weather", "description": "current weather of a city",
-                                               "parameters": {"type": "object",
-                                                              "properties": {"city": {"type": "string"}}}}}]
     reply = post(served, {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}],
-                          "tools": tools, "temperature": 0, "max_tokens": 12, "n": 2})
+                          "tools": TOOLS, "temperature": 0, "max_tokens": 12, "n": 2})
     assert len(reply["choices"]) == 2 and reply["usage"]["prompt_tokens"] > 30
     for choice in reply["choices"]:
         message = choice["message"]
         assert message["role"] == "assistant"
         assert isinstance(message["content"], str) or message.get("tool_calls")
+
+
+def test_openai_client_streams_served_smollm(served):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=served, api_key="unused", max_retries=0, timeout=300)
+    # The request of the test above (its programs are compiled), streamed: the same choices as the plain reply.
+    body = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS,
+                temperature=0, max_tokens=12, n=2)
+    plain = client.chat.completions.create(**body)
+    texts, calls, finish = {}, {}, {}
+    for chunk in client.chat.completions.create(**body, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            calls.setdefault(choice.index, []).extend(
+                (call.function.name, call.function.arguments) for call in choice.delta.tool_calls or [])
+            finish[choice.index] = choice.finish_reason or finish.get(choice.index)
+    assert any(c.message.content or c.message.tool_calls for c in plain.choices)  # real text from the real model
+    for choice in plain.choices:
+        assert texts[choice.index] == (choice.message.content or "") and finish[choice.index] == choice.finish_reason
+        assert calls[choice.index] == [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+    with pytest.raises(openai.BadRequestError, match="at most 256"):
+        client.chat.completions.create(**{**body, "max_tokens": 257})

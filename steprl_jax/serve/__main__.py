@@ -2,9 +2,12 @@
 
     python -m steprl_jax.serve --model smollm2-135m-instruct [--port 8000] [--name NAME]
                                [--max-context 4096] [--compute-dtype bfloat16] [--api-key-env VAR]
+                               [--max-tokens-limit 4096] [--max-n 16] [--max-body-bytes 16777216]
+                               [--max-concurrent-requests 64] [--request-timeout-s 600]
+                               [--client-timeout-s 30] [--decode-chunk 16]
 
 Prints one line `serving NAME at http://HOST:PORT/v1` once the socket is bound (with --port 0 the
-system picks the port; the line says which).
+system picks the port; the line says which). What each limit answers: see `steprl_jax.serve.app`.
 """
 from __future__ import annotations
 
@@ -28,6 +31,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--api-key-env", default=None,
                         help="require `Authorization: Bearer $VAR` (the key is read from this variable)")
+    limits = parser.add_argument_group("limits (see steprl_jax/serve/app.py for the replies)")
+    limits.add_argument("--max-tokens-limit", type=int, default=4096,
+                        help="the most max_tokens a request may ask for (more: 400)")
+    limits.add_argument("--max-n", type=int, default=16, help="the most completions per request (more: 400)")
+    limits.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024, help="larger bodies: 413")
+    limits.add_argument("--max-concurrent-requests", type=int, default=64,
+                        help="chat requests in flight (queued or generating); beyond: 429 with Retry-After")
+    limits.add_argument("--request-timeout-s", type=float, default=600.0,
+                        help="a request not answered in time gets 504 and is dropped")
+    limits.add_argument("--client-timeout-s", type=float, default=30.0,
+                        help="time a client has to send its request (else 408), and for each blocked write")
+    parser.add_argument("--decode-chunk", type=int, default=16,
+                        help="decode steps between streamed deltas (and checks for dropped requests)")
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
 
@@ -42,7 +58,7 @@ def main(argv=None) -> int:
             print(f"error: environment variable {args.api_key_env!r} is not set", file=sys.stderr)
             return 2
     from steprl_jax.models.pretrained import load_pretrained
-    from steprl_jax.serve.app import ChatServer
+    from steprl_jax.serve.app import ChatServer, ServerLimits
     from steprl_jax.serve.engine import ChatEngine
 
     try:
@@ -52,8 +68,12 @@ def main(argv=None) -> int:
         return 2
     max_context = min(args.max_context, model.config.max_position_embeddings)
     engine = ChatEngine(model, tokenizer, max_context=max_context, seed=args.seed,
-                        max_batch_rows=args.max_batch_rows, min_batch_rows=args.min_batch_rows)
-    server = ChatServer(engine, args.name or args.model, args.host, args.port, api_key)
+                        max_batch_rows=args.max_batch_rows, min_batch_rows=args.min_batch_rows, max_n=args.max_n,
+                        decode_chunk=args.decode_chunk)
+    limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens_limit,
+                          max_concurrent_requests=args.max_concurrent_requests,
+                          request_timeout_s=args.request_timeout_s, client_timeout_s=args.client_timeout_s)
+    server = ChatServer(engine, args.name or args.model, args.host, args.port, api_key, limits)
     print(f"serving {server.model_name} at {server.url}", flush=True)
     try:
         server.serve_forever()

@@ -17,11 +17,16 @@ from typing import Any, Mapping, Sequence
 
 from steprl_jax.models.chat import apply_chat
 
+TOOL_CALL_OPEN = "<tool_call>"
 _TOOL_CALL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
 class RequestError(ValueError):
-    """The request is malformed; the message names the field."""
+    """The request is malformed; the message names the field (and `param`, when given, is its name)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 def _text_content(content: Any, where: str) -> str:
