@@ -187,6 +187,6 @@ def _read_choices(payload: bytes) -> list[str]:
                 raise ValueError("message content is not text")
             texts.append(content)
         return texts
-    except (ValueError, KeyError, TypeError, AttributeError) as error:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as error:  # deep nesting too
         raise _Retryable(f"malformed reply ({type(error).__name__}: {str(error)[:80]}): "
                          f"{_snippet(payload[:200])!r}") from None

@@ -76,11 +76,16 @@ def _alternation(labels: Sequence[str]) -> str:
 
 
 def _canonical(found: str, labels: Sequence[str]) -> str:
-    key = re.sub(r"[\s_\-]+", "_", found.strip()).lower()
-    return next(l for l in labels if l.lower() == key)
+    # casefold, as the regular expressions' IGNORECASE does: "YEſ" (long s) matched YES, and .lower() keeps the ſ.
+    key = re.sub(r"[\s_\-]+", "_", found.strip()).casefold()
+    return next(l for l in labels if l.casefold() == key)
 
 
 _MARKERS = r"(?:final\s+)?(?:verdict|judg(?:e)?ment|answer|label|decision|rating)"
+# Between a marker and its label: spaces, an optional "is", one of `:=-`, opening quotes or brackets.
+# Each part starts with a character the part before cannot match, so matching takes linear time (adjacent
+# `\s*` runs made a reply of "verdict" and a few hundred spaces take minutes).
+_SEPARATOR = r"\s*(?:is\s*)?(?:[:=\-]\s*)?(?:[\*\"'`\[\(]\s*)*"
 
 
 def parse_label(text: str, labels: Sequence[str]) -> str | None:
@@ -97,7 +102,7 @@ def parse_label(text: str, labels: Sequence[str]) -> str | None:
     from_json = _label_from_json(stripped, labels)
     if from_json is not None:
         return from_json
-    marked = re.findall(rf"{_MARKERS}\s*(?:is)?\s*[:=\-]?\s*[\*\"'`\[\(]*\s*({alternation})\b", stripped,
+    marked = re.findall(rf"{_MARKERS}{_SEPARATOR}({alternation})\b", stripped,
                         flags=re.IGNORECASE)
     if marked:
         return _canonical(marked[-1], labels)

@@ -177,7 +177,7 @@ class _Evaluator:
         if op is ast.Div:
             return _bounded(left / right)
         if op is ast.FloorDiv:
-            return Fraction(left // right)
+            return _bounded(Fraction(left // right))
         return _bounded(left % right)
 
     def call(self, node: ast.Call) -> Fraction:

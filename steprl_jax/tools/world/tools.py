@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import math
 from typing import Any, Callable
 
 from steprl_jax.tools.calculator import calculate as calculate_expression
@@ -41,6 +42,17 @@ def parse_date(value: str, field: str = "date") -> dt.date:
         return dt.date.fromisoformat(value)
     except ValueError:
         raise ToolError(INVALID_VALUE, f"'{field}': {value!r} is not a valid date (use YYYY-MM-DD)") from None
+
+
+def finite(value: float, what: str) -> float:
+    """`value` as a float, or `invalid_value` when it is NaN, infinite or beyond a float's range."""
+    try:
+        number = float(value)
+    except OverflowError:  # an integer too large for a float
+        number = math.inf
+    if not math.isfinite(number):
+        raise ToolError(INVALID_VALUE, f"{what} is not a finite number (limit about 1.8e308)")
+    return number
 
 
 def weekday(day: dt.date) -> str:
@@ -117,8 +129,11 @@ class _Bound:
         except ValueError:
             raise ToolError(INVALID_VALUE, f"'datetime': {datetime[:40]!r} is not YYYY-MM-DDTHH:MM") from None
         source, target = self.city(from_city, "from_city"), self.city(to_city, "to_city")
-        converted = moment + dt.timedelta(hours=target.utc_offset - source.utc_offset)
-        return {"city": target.name, "datetime": converted.strftime("%Y-%m-%dT%H:%M"),
+        try:
+            converted = moment + dt.timedelta(hours=target.utc_offset - source.utc_offset)
+        except OverflowError:
+            raise ToolError(INVALID_VALUE, "'datetime': the converted date-time is out of range") from None
+        return {"city": target.name, "datetime": converted.isoformat(timespec="minutes"),  # year 1 is 0001
                 "weekday": weekday(converted.date())}
 
     def date_add(self, date: str, days: int) -> dict:
@@ -179,7 +194,7 @@ class _Bound:
         if not found:
             raise ToolError(NOT_FOUND, f"no {topic} articles for {date or 'this period'}")
         return {"topic": topic, "articles": [{"headline": a.headline, "date": a.date.isoformat(),
-                                              "source": a.source} for a in found[:limit]]}
+                                              "source": a.source} for a in found[:int(limit)]]}  # 2.0 is an integer
 
     # --- flights ---
     def search_flights(self, origin: str, destination: str, date: str) -> dict:
@@ -231,11 +246,12 @@ class _Bound:
 
     def convert_currency(self, amount: float, from_currency: str, to_currency: str) -> dict:
         rates = self.world.exchange_rates
+        amount = finite(amount, "'amount'")
         for field, code in (("from_currency", from_currency), ("to_currency", to_currency)):
             if code.upper() not in rates:
                 raise ToolError(NOT_FOUND, f"'{field}': unknown currency {code[:10]!r}; known: {', '.join(rates)}")
         value = amount / rates[from_currency.upper()] * rates[to_currency.upper()]
-        return {"amount": round2(value), "currency": to_currency.upper()}
+        return {"amount": round2(finite(value, "the converted amount")), "currency": to_currency.upper()}
 
     # --- knowledge ---
     def lookup_fact(self, entity: str, attribute: str) -> dict:
@@ -254,12 +270,13 @@ class _Bound:
         (dim_a, scale_a), (dim_b, scale_b) = _UNITS[from_unit], _UNITS[to_unit]
         if dim_a != dim_b:
             raise ToolError(INVALID_VALUE, f"cannot convert {dim_a} ({from_unit}) to {dim_b} ({to_unit})")
+        value = finite(value, "'value'")
         if dim_a == "temperature":
             kelvin = {"c": value + 273.15, "f": (value - 32) * 5 / 9 + 273.15, "k": value}[from_unit]
             result = {"c": kelvin - 273.15, "f": (kelvin - 273.15) * 9 / 5 + 32, "k": kelvin}[to_unit]
         else:
             result = value * scale_a / scale_b
-        return {"value": round2(result), "unit": to_unit}
+        return {"value": round2(finite(result, "the converted value")), "unit": to_unit}
 
     def calculate(self, expression: str) -> dict:
         return {"result": calculate_expression(expression)}
@@ -287,7 +304,7 @@ class _Bound:
             return (isinstance(item, str), item)  # numbers before strings, never compared with each other
 
         ordered = sorted(items, key=key, reverse=descending)
-        return {"items": ordered[:limit] if limit is not None else ordered}
+        return {"items": ordered[:int(limit)] if limit is not None else ordered}  # 2.0 is an integer
 
     def response_gen(self, answer: str) -> dict:
         return {"answer": answer}
