@@ -24,6 +24,9 @@ def get_config(arg=None):
     c.rollout = ConfigDict(dict(
         episodes_per_task=1, max_steps=5, max_new_tokens=96, max_context=1024, batch_size=16,
         temperature=0.7, top_k=0, top_p=1.0, tool_workers=16, tool_timeout_s=10.0,
+        # a tool result longer than this many characters reaches the agent (and the records) cut,
+        # ending "... [truncated: N more characters]"
+        max_result_chars=4000,
         # continuous batching of independent episodes: a finished episode's row takes the next one
         # and the decode returns every decode_chunk tokens or when an action ends
         continuous=True, decode_chunk=16,

@@ -68,12 +68,12 @@ def demonstration_row(env, tokenizer, task: Task, demonstration: Demonstration) 
     return Row(spans)
 
 
-def expert_rows(config, tokenizer, split: str = "train", *, max_result_chars: int = MAX_RESULT_CHARS) -> list[Row]:
+def expert_rows(config, tokenizer, split: str = "train", *, max_result_chars: int | None = None) -> list[Row]:
     """One SFT row per query of the tool-world suite of `config` (`agents.tasks.build_suite(config,
     split)`, so `task.offset`/`task.num_tasks` select them): the query's reference plan as think +
     tool_call actions (`data.demonstrations.tool_call_demonstration`), the final one calling
     `response_gen`. The plan's calls are executed without injected failures and their results cut
-    at `max_result_chars` as the rollout cuts them (`RolloutConfig.max_result_chars`). The prompt
+    at `max_result_chars` (default `config.rollout.max_result_chars`) as the rollout cuts them. The prompt
     is the rollout's: with `env.few_shot > 0` it holds the demonstrations too."""
     from steprl_jax.agents.tasks import build_suite, toolworld_queries
     from steprl_jax.data.demonstrations import tool_call_demonstration
@@ -81,6 +81,8 @@ def expert_rows(config, tokenizer, split: str = "train", *, max_result_chars: in
 
     if config.task.name != "toolworld":
         raise ValueError(f"expert_rows: expert plans exist for task.name=toolworld, not {config.task.name!r}")
+    if max_result_chars is None:
+        max_result_chars = int(config.rollout.get("max_result_chars", MAX_RESULT_CHARS))
     suite = build_suite(config, split)
     world, queries = toolworld_queries(config, split)
     by_id = {q.id: q for q in queries}

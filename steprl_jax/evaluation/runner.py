@@ -25,7 +25,8 @@ def rollout_config(config) -> RolloutConfig:
     return RolloutConfig(max_steps=int(r.max_steps), max_new_tokens=int(r.max_new_tokens),
                          max_context=int(r.max_context), temperature=float(r.temperature), top_k=int(r.top_k),
                          top_p=float(r.top_p), batch_size=int(r.batch_size), tool_workers=int(r.tool_workers),
-                         continuous=bool(r.get("continuous", True)), decode_chunk=int(r.get("decode_chunk", 16)))
+                         continuous=bool(r.get("continuous", True)), decode_chunk=int(r.get("decode_chunk", 16)),
+                         max_result_chars=int(r.get("max_result_chars", RolloutConfig.max_result_chars)))
 
 
 def evaluate(config, model_and_tokenizer=None, *, split: Optional[str] = None, out_dir: Optional[str] = None,

@@ -3,11 +3,19 @@
 Results come back in call order. Nothing an agent writes can make `execute` raise: an
 unknown tool, arguments that are not an object, a tool that hangs or crashes all become
 typed error results.
+
+Each call runs on its own daemon thread. Python cannot kill a thread, so a call that exceeds its
+limit is abandoned: it gets a `timeout` result at once and its thread finishes (or not) in the
+background, without holding one of the `max_workers` slots and without keeping the process from
+exiting. (A fixed pool would do neither: after `max_workers` hung calls every later call would
+wait behind them and time out without having run, and the interpreter would wait for the hung
+threads at exit.)
 """
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import threading
 import time
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -42,16 +50,16 @@ def as_tool_call(call: Any) -> ToolCall | ToolResult:
 
 
 class ToolRegistry:
-    """Tools by name, plus a thread pool to run calls side by side.
-
-    A call that exceeds its time limit returns a `timeout` result; Python cannot kill a
-    thread, so the worker finishes in the background (tools here are bounded, in memory).
-    """
+    """Tools by name, run side by side: at most `max_workers` calls at once (a call that timed
+    out no longer counts), each under its tool's time limit (`default_timeout_s` when unset)."""
 
     def __init__(self, tools: Iterable[Tool] = (), default_timeout_s: float = 10.0, max_workers: int = 16):
+        if max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1, got {max_workers}")
         self._tools: dict[str, Tool] = {}
         self.default_timeout_s = default_timeout_s
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="tool")
+        self.max_workers = max_workers
+        self._slots = threading.Semaphore(max_workers)
         for tool in tools:
             self.register(tool)
 
@@ -107,20 +115,65 @@ class ToolRegistry:
                     f"no tool named {call.name[:_MAX_NAME_ECHO]!r}; available tools: {known}")
                 continue
             limit = tool.timeout_s if tool.timeout_s is not None else self.default_timeout_s
-            pending.append((index, self._pool.submit(tool, call.arguments), limit))
+            pending.append((index, self._start(tool, call.arguments), limit))
         started = time.monotonic()
-        for index, future, limit in pending:
+        for index, running, limit in pending:
             name = as_tool_call(calls[index]).name
             # All calls started together, so each waits only for what is left of its own limit.
             remaining = max(0.0, limit - (time.monotonic() - started))
             try:
-                results[index] = future.result(timeout=remaining)
+                results[index] = running.future.result(timeout=remaining)
             except concurrent.futures.TimeoutError:
-                future.cancel()
+                running.abandon()
                 results[index] = error_result(name, TIMEOUT, f"the call did not finish within {limit:g} s")
-            except Exception as err:  # Tool.__call__ already catches; this guards the pool itself
+            except Exception as err:  # Tool.__call__ already catches; this guards the worker itself
                 results[index] = error_result(name, TOOL_FAILURE, f"{type(err).__name__}: {err}")
         return results  # type: ignore[return-value]
 
+    def _start(self, tool: Tool, arguments: Any) -> "_Running":
+        running = _Running(self._slots)
+        threading.Thread(target=running.work, args=(tool, arguments), name=f"tool-{tool.name[:_MAX_NAME_ECHO]}",
+                         daemon=True).start()
+        return running
+
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Nothing to release: abandoned calls finish on their own daemon threads."""
+
+
+class _Running:
+    """One call on its own thread: it takes a slot before the tool runs and gives it back when the
+    tool returns or when `execute` abandons the call (its time is up), whichever comes first."""
+
+    def __init__(self, slots: threading.Semaphore):
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        self._slots = slots
+        self._lock = threading.Lock()
+        self._holds_slot = False
+        self._abandoned = False
+
+    def work(self, tool: Tool, arguments: Any) -> None:
+        self._slots.acquire()
+        with self._lock:
+            if self._abandoned:  # its time ran out while it waited for a slot: never run it
+                self._slots.release()
+                return
+            self._holds_slot = True
+        try:
+            result = tool(arguments)
+        except BaseException as err:  # Tool.__call__ catches Exception; keep the thread's end tidy anyway
+            self._free()
+            self.future.set_exception(err)
+            return
+        self._free()
+        self.future.set_result(result)
+
+    def abandon(self) -> None:
+        with self._lock:
+            self._abandoned = True
+        self._free()
+
+    def _free(self) -> None:
+        with self._lock:
+            held, self._holds_slot = self._holds_slot, False
+        if held:
+            self._slots.release()
