@@ -2,14 +2,19 @@
 
 * The API key is read from an environment variable, sent only in the Authorization header, and never
   appears in a repr, a log line, an error reason or a cache key.
-* Each attempt has a socket timeout; timeouts, connection errors, 408/425/429/5xx and malformed
-  replies are retried with exponential backoff and jitter (Retry-After is honoured, capped); other
-  4xx fail at once. After the last retry `BackendError` says why.
+* Each attempt has a time limit, `timeout_s` per socket operation and for the whole reply body (a
+  server that trickles its body byte by byte is cut off too: an attempt takes at most about twice
+  `timeout_s`); timeouts, connection errors, 408/425/429/5xx and malformed replies are retried,
+  other 4xx fail at once. Before a retry it waits what the server's Retry-After says (seconds or an
+  HTTP date), capped at `max_backoff_s`, or else an exponential backoff with jitter. After the last
+  retry `BackendError` says why.
 * At most `max_concurrency` requests are in flight at once (a semaphore, released during backoff),
   so a judge's thread pool can fan out without flooding the endpoint.
 """
 from __future__ import annotations
 
+import datetime
+import email.utils
 import http.client
 import json
 import logging
@@ -111,9 +116,10 @@ class HttpChatBackend:
                 last_reason = self._scrub(str(error))
                 if attempt == self.retries:
                     break
-                delay = min(self.max_backoff_s, self.backoff_s * 2 ** attempt) * random.uniform(0.5, 1.0)
-                if error.retry_after is not None:
-                    delay = max(delay, min(error.retry_after, self.max_backoff_s))
+                if error.retry_after is not None:  # the server knows best when it can take the request
+                    delay = min(error.retry_after, self.max_backoff_s)
+                else:
+                    delay = min(self.max_backoff_s, self.backoff_s * 2 ** attempt) * random.uniform(0.5, 1.0)
                 log.warning("judge endpoint %s: %s; retry %d/%d in %.1fs", self.base_url, last_reason,
                             attempt + 1, self.retries, delay)
                 time.sleep(delay)
@@ -129,9 +135,10 @@ class HttpChatBackend:
             headers["Authorization"] = f"Bearer {self._api_key}"
         request = urllib.request.Request(self.base_url + "/chat/completions", data=data, headers=headers,
                                          method="POST")
+        deadline = time.monotonic() + self.timeout_s
         try:
             with self._opener.open(request, timeout=self.timeout_s) as response:
-                payload = response.read()
+                payload = self._read_body(response, deadline)
         except urllib.error.HTTPError as error:
             detail = _snippet(self._scrub_bytes(error.read() if error.fp else b""))
             reason = f"HTTP {error.code}" + (f": {detail}" if detail else "")
@@ -148,6 +155,16 @@ class HttpChatBackend:
             raise _Retryable(f"connection failed: {type(error).__name__}: {error}") from None
         return _read_choices(self._scrub_bytes(payload))
 
+    def _read_body(self, response, deadline: float) -> bytes:
+        """The whole body, or a retryable timeout once `deadline` has passed (each read may still
+        block for up to `timeout_s`, the socket's own limit)."""
+        chunks = []
+        while chunk := response.read1(1 << 16):
+            chunks.append(chunk)
+            if time.monotonic() > deadline:
+                raise _Retryable(f"timed out after {self.timeout_s:g}s (the reply body was still arriving)")
+        return b"".join(chunks)
+
     # The key is scrubbed before anything is cut short, so that no prefix of it survives in a reason.
     def _scrub(self, text: str) -> str:
         return text.replace(self._api_key, "***") if self._api_key else text
@@ -162,11 +179,22 @@ def _snippet(raw: bytes) -> str:
 
 
 def _retry_after(headers) -> float | None:
+    """Seconds to wait from a Retry-After header: delay-seconds or an HTTP date; None when absent
+    or unreadable (then our own backoff applies)."""
     value = headers.get("Retry-After") if headers is not None else None
+    if value is None:
+        return None
     try:
-        return max(0.0, float(value)) if value is not None else None
+        return max(0.0, float(value))
     except ValueError:
-        return None  # HTTP-date form: fall back to our own backoff
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:  # HTTP dates are GMT
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return max(0.0, (when - datetime.datetime.now(datetime.timezone.utc)).total_seconds())
 
 
 def _read_choices(payload: bytes) -> list[str]:
