@@ -7,10 +7,12 @@ and why the episode ended. Training batches are built from these ids, never by
 re-tokenising text.
 
 A store is versioned JSONL, one trajectory (or tree) per line. Each record is
-written with a single `write` on a file opened for appending, then flushed and
-fsynced, so an interrupted run leaves at most one incomplete last line, which a
-resumed run drops (it was never reported done). A malformed line anywhere else
-is an error naming the file and the line.
+written with a single `write` (continued if it stops short) on a file opened
+for appending, then fsynced, so an interrupted run leaves at most one
+incomplete last line, which a resumed run drops (it was never reported done).
+A write that fails (a full disk) removes what it wrote and raises an OSError
+naming the file, so the store can go on once there is space. A malformed line
+anywhere else is an error naming the file and the line.
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import dataclasses
 import json
 import os
 from typing import Any, Iterator, Optional
+
+from steprl_jax.data.jsonl import append_bytes
 
 RECORD_VERSION = 1
 
@@ -231,8 +235,7 @@ class RecordStore:
         line = json.dumps(record.to_json(), ensure_ascii=False) + "\n"
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            os.write(fd, line.encode("utf-8"))
-            os.fsync(fd)
+            append_bytes(fd, line.encode("utf-8"), self.path)  # all or nothing: a failed write leaves no torn line
         finally:
             os.close(fd)
 

@@ -1,4 +1,5 @@
-"""Reading JSONL files with errors that name the file, the line and the field."""
+"""Reading JSONL files with errors that name the file, the line and the field; appending lines
+that are either whole on disk or, when the write fails, not there at all."""
 from __future__ import annotations
 
 import dataclasses
@@ -80,3 +81,36 @@ def load_records(
                     report.first_errors.append(str(err))
     report.loaded = len(records)
     return records
+
+
+def append_bytes(fd: int, data: bytes, path: str) -> None:
+    """Write all of `data` to `fd` (a file opened with O_APPEND by its only writer) and fsync it.
+
+    A write may stop short (a full disk writes what fits, then fails): the rest is written or the
+    call fails. On failure (no space, quota, I/O error) the file is cut back to the length it had
+    before, so that no torn line is left for the next append to run into, and the OSError, with
+    its errno, names `path`."""
+    start = os.fstat(fd).st_size
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    except OSError as err:
+        try:
+            os.ftruncate(fd, start)
+            os.fsync(fd)
+            left = "the file was cut back to its length before it (no partial line stays)"
+        except OSError:
+            left = "what it wrote could not be removed (a reader drops an incomplete last line)"
+        raise OSError(err.errno, f"{err.strerror}: appending {len(data)} bytes failed and {left}; "
+                                 f"free space and resume", path) from err
+
+
+def append_whole(path: str | os.PathLike, data: bytes) -> None:
+    """Append `data` (a line, a record) to `path`, creating it if needed, with `append_bytes`."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        append_bytes(fd, data, os.fspath(path))
+    finally:
+        os.close(fd)

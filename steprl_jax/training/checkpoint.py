@@ -8,17 +8,33 @@
 state); restored arrays take its shardings, so a run resumes on the same mesh. The RNG lives
 in the state; the data position is JSON (whatever the data loader needs to continue). Saving
 copies device arrays to host and writes synchronously, so a resumed run on CPU continues
-bit-identically.
+bit-identically. A step is complete once orbax has committed it (renamed its temporary folder);
+a save the storage refuses (a full disk) removes its partial folder and raises an OSError naming
+the step's path, and the same Checkpointer saves again once there is space.
 """
 from __future__ import annotations
 
 import os
+import re
+import shutil
 from typing import Any, Optional, Tuple
 
 import jax
 import orbax.checkpoint as ocp
 
 from steprl_jax.training.state import TrainState
+
+
+_TMP_SUFFIX = ".orbax-checkpoint-tmp"  # a step folder orbax has not committed (renamed) yet
+
+
+def _os_error_code(error: BaseException) -> Optional[int]:
+    """The errno of a storage failure: an OSError's, or the one tensorstore writes into its
+    message ("[os_error_code='28']"); None for any other error."""
+    if isinstance(error, OSError) and error.errno:
+        return error.errno
+    match = re.search(r"os_error_code='?(\d+)", str(error))
+    return int(match.group(1)) if match else None
 
 
 class Checkpointer:
@@ -34,11 +50,29 @@ class Checkpointer:
              step: Optional[int] = None) -> int:
         """Write `state` at `step` (default: state.step) and return the step."""
         step = int(jax.device_get(state.step)) if step is None else int(step)
-        self._manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
-            data=ocp.args.JsonSave({"data_position": data_position or {}})))
-        self._manager.wait_until_finished()
+        try:
+            self._manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                data=ocp.args.JsonSave({"data_position": data_position or {}})))
+            self._manager.wait_until_finished()
+        except Exception as error:
+            code = _os_error_code(error)
+            if code is None:
+                raise
+            raise self._failed_save(step, code) from error
         return step
+
+    def _failed_save(self, step: int, code: int) -> OSError:
+        """A save that the storage refused (e.g. a full disk) was never committed: remove its
+        temporary folder (it can never become a step, and it holds the space that is short), and
+        say so in an OSError naming the step's path."""
+        for name in os.listdir(self.directory):
+            if name.startswith(f"{step}{_TMP_SUFFIX}"):
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+        self._manager.reload()
+        return OSError(code, f"{os.strerror(code)}: saving checkpoint step {step} failed and its partial files "
+                             f"were removed; the latest complete step is {self.latest_step()}. Free space and "
+                             "save again", os.path.join(self.directory, str(step)))
 
     def steps(self):
         return list(self._manager.all_steps())

@@ -6,42 +6,72 @@
 
 Each line is {"stage", "step", "time", **metrics}, written with one append and fsynced. A resumed
 run may repeat steps it logged after its last checkpoint; readers keep the last line per
-(stage, step) (`read_metrics`). TensorBoard events go to `tb/<stage>/` through tensorboardX
-(no TensorFlow needed).
+(stage, step) (`read_metrics`). TensorBoard events go to `tb/<stage>/`: one event per update with
+every scalar, framed as TensorBoard's records (tensorboardX's protos; no TensorFlow needed) and
+appended in the calling thread. (tensorboardX's SummaryWriter writes from a thread of its own,
+which dies on a full disk, after which `add_scalar` blocks for ever.)
+
+A write that fails (a full disk) leaves no partial line or record behind and raises an OSError
+naming the file; the log can go on once there is space.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import socket
+import struct
 import time
 from typing import Mapping
+
+from steprl_jax.data.jsonl import append_whole
 
 
 class MetricsLog:
     def __init__(self, workdir: str, stage: str):
-        from tensorboardX import SummaryWriter
-
         self.path = os.path.join(workdir, "metrics.jsonl")
         self.stage = stage
         os.makedirs(workdir, exist_ok=True)
-        self._tb = SummaryWriter(os.path.join(workdir, "tb", stage))
+        self._events = EventFile(os.path.join(workdir, "tb", stage))
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         clean = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
         line = json.dumps({"stage": self.stage, "step": int(step), "time": time.time(), **clean}) + "\n"
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, line.encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        for key, value in clean.items():
-            self._tb.add_scalar(f"{self.stage}/{key}", value, int(step))
-        self._tb.flush()
+        append_whole(self.path, line.encode())
+        self._events.scalars(int(step), {f"{self.stage}/{key}": value for key, value in clean.items()})
 
     def close(self) -> None:
-        self._tb.close()
+        pass  # every write is on disk when it returns
+
+
+class EventFile:
+    """A TensorBoard event file `events.out.tfevents.<time>.<host>` in `folder`, written synchronously:
+    each event is one TFRecord (length, masked CRC-32C of the length, data, masked CRC-32C of the
+    data), appended whole or not at all."""
+
+    def __init__(self, folder: str):
+        from tensorboardX.proto import event_pb2
+
+        self._event = event_pb2.Event
+        os.makedirs(folder, exist_ok=True)
+        self.path = os.path.join(folder, f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}")
+        self._append(self._event(wall_time=time.time(), file_version="brain.Event:2"))
+
+    def scalars(self, step: int, values: Mapping[str, float]) -> None:
+        from tensorboardX.proto import summary_pb2
+
+        if values:
+            summary = summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=tag, simple_value=value)
+                                                 for tag, value in values.items()])
+            self._append(self._event(wall_time=time.time(), step=step, summary=summary))
+
+    def _append(self, event) -> None:
+        from tensorboardX.record_writer import masked_crc32c
+
+        data = event.SerializeToString()
+        header = struct.pack("<Q", len(data))
+        append_whole(self.path, header + struct.pack("<I", masked_crc32c(header)) + data
+                     + struct.pack("<I", masked_crc32c(data)))
 
 
 def read_metrics(workdir: str) -> dict[str, list[dict]]:
