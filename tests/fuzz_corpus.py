@@ -177,6 +177,12 @@ def _regressions() -> list[str]:
         '{"name": "search_news", "arguments": {"topic": "sports", "limit": 2.0}}',
         # tools.calculator: floor division skipped the size bound (a 2,047-digit answer).
         "(2**3399)//(1/2**3399)",
+        # tools.calculator: the exponent check read "+121" from "e+121_000_0009" and Fraction then built
+        # 10**1210000009 (a hang); zero, or a base below float's range, to a negative fractional power
+        # raised ZeroDivisionError.
+        "-6.678896601330429e+121_000_0009", "1e+1_000_000_000", "1E1_0_0_0_0",
+        "-+round( 1e-3)^-8.948164246573895e-172", "0^(-5.75607069015154e-151)//7.410473373985686e-195",
+        "(1e-400)**(-1/17)", "0**(-1/2)",
     ]
 
 

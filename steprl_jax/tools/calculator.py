@@ -50,12 +50,12 @@ def _integer(value: Fraction, what: str) -> int:
 
 
 def _power(base: Fraction, exponent: Fraction) -> Fraction:
+    if base == 0 and exponent < 0:  # fractional exponents too: 0 ** -0.5
+        raise _reject("zero cannot be raised to a negative power")
     if exponent.denominator == 1:
         e = exponent.numerator
         if abs(e) > MAX_EXPONENT:
             raise _reject(f"exponent {e} too large (limit {MAX_EXPONENT})")
-        if base == 0 and e < 0:
-            raise _reject("zero cannot be raised to a negative power")
         size = max(base.numerator.bit_length(), base.denominator.bit_length())
         if size > 1 and (size - 1) * abs(e) > MAX_RESULT_BITS:  # |base| >= 2 grows at least 2**e
             raise _reject("result too large (limit: about 1000 digits)")
@@ -70,6 +70,8 @@ def _power(base: Fraction, exponent: Fraction) -> Fraction:
         return _bounded(Fraction(float(base) ** float(exponent)))
     except (OverflowError, ValueError):
         raise _reject("result too large (limit: about 1000 digits)") from None
+    except ZeroDivisionError:  # a base below float's range reads as 0.0: 1e-400 ** -0.5
+        raise _reject("base too small for a fractional power") from None
 
 
 def _exact_root(value: Fraction, degree: int) -> Fraction | None:
@@ -153,14 +155,15 @@ class _Evaluator:
     def number(self, node: ast.Constant) -> Fraction:
         if isinstance(node.value, bool) or not isinstance(node.value, (int, float)):
             raise _reject(f"unsupported literal {ast.get_source_segment(self.source, node)!r:.40}")
-        text = ast.get_source_segment(self.source, node) or repr(node.value)
+        # Without underscores before any check: the exponent of 1e+1_000_000_000 is not "+1".
+        text = (ast.get_source_segment(self.source, node) or repr(node.value)).replace("_", "")
         if sum(ch.isdigit() for ch in text) > MAX_LITERAL_DIGITS:
             raise _reject(f"number too long (limit {MAX_LITERAL_DIGITS} digits)")
         exponent = re.search(r"[eE]([+-]?\d+)", text)
         if exponent and abs(int(exponent.group(1))) > 1000:  # Fraction('1e99999999') would build the integer
             raise _reject("number too large (scientific exponent limit 1000)")
         try:
-            value = Fraction(text.replace("_", ""))  # the literal as written: 0.1 stays exactly 1/10
+            value = Fraction(text)  # the literal as written: 0.1 stays exactly 1/10
         except (ValueError, ZeroDivisionError):
             raise _reject(f"cannot read number {text[:40]!r}") from None
         return _bounded(value)
