@@ -1,8 +1,8 @@
 """The long fuzz run: `python tests/fuzz_long.py --cases 1000000 [--seed 0] [--targets a,b] [--json PATH]`.
 
 Case i goes to target `schedule[i % len(schedule)]` (each target `weight` times in the schedule) with its
-input drawn by that target's generator from `random.Random(seed * 2**32 + i)`: the same seed gives the
-same cases, and one case is replayed with `--first i --cases 1` (same --seed and --targets).
+input drawn by that target's generator from `random.Random(seed * 2**32 + i)`: the same seed, corpus and
+targets give the same cases, and one case is replayed with `--first i --cases 1` (same --seed and --targets).
 
 The cases run in a worker process. The worker records every failure (see `fuzz_targets.run_case`: an
 undocumented exception, a broken contract, too much CPU time) and reports back every few thousand cases;
