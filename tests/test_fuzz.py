@@ -82,30 +82,15 @@ def test_calculator_never_evaluates_code(tmp_path):
     assert "exec" in events
 
 
-# Known bugs in the server's request parsing (fix pending where that code is being reworked). Strict:
-# once fixed these pass, fail as XPASS, and the `known` entries in fuzz_targets.py can go.
-@pytest.mark.xfail(strict=True, raises=RecursionError, reason="serve: json.loads RecursionError not caught")
-def test_known_serve_parse_tool_calls_deep_json():
-    assert chat_format().parse_tool_calls("<tool_call>" + "[" * 100_000 + "</tool_call>")[1] == []
+# Found by fuzzing: JSON nested deeper than the parser goes raised RecursionError (a 500).
+def test_serve_parse_tool_calls_deep_json_is_not_a_call():
+    text = "<tool_call>" + "[" * 100_000 + "</tool_call>"
+    assert chat_format().parse_tool_calls(text) == (text, [])
 
 
-@pytest.mark.xfail(strict=True, raises=RecursionError, reason="serve: json.loads RecursionError not caught")
-def test_known_serve_tool_call_arguments_deep_json():
+def test_serve_tool_call_arguments_deep_json_are_kept_as_written():
     module = chat_format()
     call = {"function": {"name": "f", "arguments": "[" * 100_000}}
     message = {"role": "assistant", "content": "", "tool_calls": [call]}
-    with pytest.raises(module.RequestError):
-        module.normalize_messages([message], inline_tool_calls=True)
-
-
-def test_case_count():
-    if RAN != {(kind, name) for kind in ("corpus", "generated") for name in TARGETS}:
-        pytest.skip("counts only when every target ran")
-    summary = {"cases": sum(CASES.values()), "known_failures": dict(KNOWN), "targets": len(TARGETS),
-               "corpus_strings": len(CORPUS), "corpus_categories": {k: len(v) for k, v in CATEGORIES.items()},
-               "seconds": {k: round(v, 1) for k, v in SECONDS.items()}, "per_target": dict(CASES)}
-    print(json.dumps(summary, indent=1))
-    if os.environ.get("FUZZ_SUMMARY"):
-        with open(os.environ["FUZZ_SUMMARY"], "w") as f:
-            json.dump(summary, f, indent=1)
-    assert summary["cases"] >= 10_000
+    (normalized,) = module.normalize_messages([message], inline_tool_calls=True)
+    assert "[" * 1000 in json.dumps(normalized)

@@ -52,7 +52,7 @@ def _call_json(call: Any, where: str) -> dict:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser goes
             pass  # keep the string as the model wrote it
     return {"name": function["name"], "arguments": arguments}
 
@@ -111,7 +111,7 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
     for block in blocks:
         try:
             value = json.loads(block)
-        except ValueError:
+        except (ValueError, RecursionError):
             return text, []
         for call in value if isinstance(value, list) else [value]:
             if not isinstance(call, dict) or not isinstance(call.get("name"), str):
