@@ -58,3 +58,22 @@ def tiny_rl_config(workdir, algorithm: str = "portool", judge_url: str = "", **r
     if judge_url:
         judge_http(c, judge_url)
     return c
+
+
+def rl_command(algorithm, model_dir, workdir, base_url, iterations: int = 2, eval_tasks: int = 0) -> list:
+    """`python -m steprl_jax.main` for online RL on the tool world at test sizes (2 queries per
+    iteration, n = 4, 12 new tokens, 2 steps, a checkpoint every iteration), the verdict endpoint
+    at `base_url`; a held-out evaluation of `eval_tasks` queries (0: none) every 2 iterations."""
+    import sys
+
+    return [sys.executable, "-m", "steprl_jax.main", "--config=configs/portool_toolworld.py",
+            f"--config.algorithm={algorithm}", f"--config.model.source={model_dir}", f"--config.workdir={workdir}",
+            "--config.progress=False", "--config.task.num_tasks=4", "--config.rollout.max_new_tokens=12",
+            "--config.rollout.max_steps=2", "--config.rollout.max_context=2048", "--config.rollout.tree.n=4",
+            "--config.rollout.temperature=1.0", f"--config.rl.iterations={iterations}",
+            "--config.rl.queries_per_iteration=2", "--config.rl.eval_every=2",
+            f"--config.rl.eval.num_tasks={eval_tasks}", "--config.rl.eval.votes=1", "--config.rl.arpo.initial=2",
+            "--config.rl.dapo.overlong_cache=8",
+            "--config.optimizer.learning_rate=0.001", "--config.judge.outcome.kind=http",
+            f"--config.judge.outcome.base_url={base_url}", "--config.judge.outcome.model=stub",
+            "--config.judge.outcome.retries=0"]

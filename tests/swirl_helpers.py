@@ -155,3 +155,33 @@ def chain_model(tokenizer, text: str = CALCULATOR_ACTION, seed: int = 1):
     model.layers.o.set_value(jnp.zeros_like(model.layers.o.get_value()))
     model.layers.down.set_value(jnp.zeros_like(model.layers.down.get_value()))
     return model
+
+
+# configs/swirl_arithmetic.py's `reward` has only kind and scale, so an http reward model cannot be
+# set from the command line; this config adds the http keys and changes nothing else.
+HTTP_REWARD_CONFIG = '''
+from ml_collections import ConfigDict
+
+from configs import swirl_arithmetic
+
+
+def get_config(arg=None):
+    c = swirl_arithmetic.get_config()
+    c.reward = ConfigDict(dict(kind="http", scale="graded", base_url="", model="stub", timeout_s=10.0, retries=0,
+                               backoff_s=0.01, max_backoff_s=0.02))
+    return c
+'''
+
+
+def stage2_command(config_path, model_dir, workdir, base_url, updates: int) -> list:
+    """`python -m steprl_jax.main` for SWiRL stage 2 alone at test sizes (2 states of G = 2 per
+    update, a checkpoint every update) on the units of filter "none", `config_path` holding
+    HTTP_REWARD_CONFIG, the reward model at `base_url`."""
+    import sys
+
+    return [sys.executable, "-m", "steprl_jax.main", f"--config={config_path}", f"--config.model.source={model_dir}",
+            f"--config.workdir={workdir}", "--config.stages=train", f"--config.reward.base_url={base_url}",
+            "--config.task.num_tasks=2", "--config.rollout.max_new_tokens=16", "--config.rollout.max_steps=2",
+            "--config.swirl.filter=none", "--config.swirl.train.group_size=2", "--config.swirl.train.batch_size=2",
+            f"--config.swirl.train.updates={updates}", "--config.swirl.train.save_every=1",
+            "--config.optimizer.learning_rate=0.001", "--config.progress=False"]

@@ -10,14 +10,13 @@ between the processes through JAX's persistent compilation cache (same programs,
 import json
 import os
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
 from resume_helpers import checkpoint_steps, logged_metrics, straight_killed_resumed
-from rl_helpers import VerdictServer
+from rl_helpers import VerdictServer, rl_command
 from steprl_jax.models import export_hf
 from swirl_helpers import smol_tokenizer, tiny_model
 
@@ -38,21 +37,6 @@ def setup(tmp_path_factory):
     stub.close()
 
 
-def _command(algorithm, model_dir, workdir, base_url):
-    return [sys.executable, "-m", "steprl_jax.main", "--config=configs/portool_toolworld.py",
-            f"--config.algorithm={algorithm}", f"--config.model.source={model_dir}", f"--config.workdir={workdir}",
-            "--config.progress=False", "--config.task.num_tasks=4", "--config.rollout.max_new_tokens=12",
-            "--config.rollout.max_steps=2", "--config.rollout.max_context=2048", "--config.rollout.tree.n=4",
-            "--config.rollout.temperature=1.0", f"--config.rl.iterations={ITERATIONS}",
-            "--config.rl.queries_per_iteration=2", "--config.rl.eval_every=2",
-            # held-out evaluation in one run (the loop's code is the same for every algorithm)
-            f"--config.rl.eval.num_tasks={2 if algorithm == 'portool' else 0}",
-            "--config.rl.eval.votes=1", "--config.rl.arpo.initial=2", "--config.rl.dapo.overlong_cache=8",
-            "--config.optimizer.learning_rate=0.001", "--config.judge.outcome.kind=http",
-            f"--config.judge.outcome.base_url={base_url}", "--config.judge.outcome.model=stub",
-            "--config.judge.outcome.retries=0"]
-
-
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_trains_end_to_end_and_resumes_bit_identically_after_sigkill(algorithm, setup, tmp_path):
     stub, model_dir, env = setup
@@ -60,8 +44,10 @@ def test_trains_end_to_end_and_resumes_bit_identically_after_sigkill(algorithm, 
     logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("straight", "killed", "resumed")}
 
     def start(name, workdir):
-        return subprocess.Popen(_command(algorithm, model_dir, workdir, stub.base_url), cwd=ROOT, env=env,
-                                stdout=logs[name], stderr=subprocess.STDOUT)
+        # held-out evaluation in one run (the loop's code is the same for every algorithm)
+        command = rl_command(algorithm, model_dir, workdir, stub.base_url, ITERATIONS,
+                             eval_tasks=2 if algorithm == "portool" else 0)
+        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=logs[name], stderr=subprocess.STDOUT)
 
     try:
         left = straight_killed_resumed(start, lambda w: checkpoint_steps(w, "rl"), workdirs,

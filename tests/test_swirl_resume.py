@@ -7,7 +7,6 @@ rewards are the same in every process and the advantages are not all zero.
 """
 import os
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -17,25 +16,11 @@ from steprl_jax.algorithms import swirl
 from steprl_jax.data.units import write_units
 from steprl_jax.models import export_hf
 from resume_helpers import checkpoint_steps, logged_metrics, straight_killed_resumed
-from swirl_helpers import RewardServer, hand_units, smol_tokenizer, tiny_config, tiny_model
+from swirl_helpers import (HTTP_REWARD_CONFIG, RewardServer, hand_units, smol_tokenizer, stage2_command, tiny_config,
+                           tiny_model)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UPDATES = 4
-
-# configs/swirl_arithmetic.py's `reward` has only kind and scale, so an http reward model cannot be
-# set from the command line; this config adds the http keys and changes nothing else.
-CONFIG = '''
-from ml_collections import ConfigDict
-
-from configs import swirl_arithmetic
-
-
-def get_config(arg=None):
-    c = swirl_arithmetic.get_config()
-    c.reward = ConfigDict(dict(kind="http", scale="graded", base_url="", model="stub", timeout_s=10.0, retries=0,
-                               backoff_s=0.01, max_backoff_s=0.02))
-    return c
-'''
 
 
 @pytest.fixture(scope="module")
@@ -45,20 +30,11 @@ def server():
     stub.close()
 
 
-def _command(config_path, model_dir, workdir, base_url):
-    return [sys.executable, "-m", "steprl_jax.main", f"--config={config_path}", f"--config.model.source={model_dir}",
-            f"--config.workdir={workdir}", "--config.stages=train", f"--config.reward.base_url={base_url}",
-            "--config.task.num_tasks=2", "--config.rollout.max_new_tokens=16", "--config.rollout.max_steps=2",
-            "--config.swirl.filter=none", "--config.swirl.train.group_size=2", "--config.swirl.train.batch_size=2",
-            f"--config.swirl.train.updates={UPDATES}", "--config.swirl.train.save_every=1",
-            "--config.optimizer.learning_rate=0.001", "--config.progress=False"]
-
-
 def test_killed_stage2_resumes_bit_identically(tmp_path, server):
     tokenizer = smol_tokenizer()
     model_dir = export_hf(tiny_model(tokenizer, seed=11), tokenizer, str(tmp_path / "model"))
     config_path = tmp_path / "swirl_http_reward.py"
-    config_path.write_text(CONFIG)
+    config_path.write_text(HTTP_REWARD_CONFIG)
     workdirs = {name: str(tmp_path / name) for name in ("straight", "killed")}
     units = hand_units(tiny_config(tmp_path / "unused"), tokenizer)
     for workdir in workdirs.values():
@@ -67,8 +43,8 @@ def test_killed_stage2_resumes_bit_identically(tmp_path, server):
     logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("straight", "killed", "resumed")}
 
     def start(name, workdir):
-        return subprocess.Popen(_command(config_path, model_dir, workdir, server.base_url), cwd=ROOT, env=env,
-                                stdout=logs[name], stderr=subprocess.STDOUT)
+        return subprocess.Popen(stage2_command(config_path, model_dir, workdir, server.base_url, UPDATES), cwd=ROOT,
+                                env=env, stdout=logs[name], stderr=subprocess.STDOUT)
 
     try:
         left = straight_killed_resumed(

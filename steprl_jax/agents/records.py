@@ -21,6 +21,7 @@ import json
 import os
 from typing import Any, Iterator, Optional
 
+from steprl_jax import failpoints
 from steprl_jax.data.jsonl import append_bytes
 
 RECORD_VERSION = 1
@@ -232,12 +233,17 @@ class RecordStore:
         return {record.id for record in self}
 
     def append(self, record) -> None:
-        line = json.dumps(record.to_json(), ensure_ascii=False) + "\n"
+        data = (json.dumps(record.to_json(), ensure_ascii=False) + "\n").encode("utf-8")
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            append_bytes(fd, line.encode("utf-8"), self.path)  # all or nothing: a failed write leaves no torn line
+            if failpoints.armed("records.append.mid"):  # a torn line really on disk when it kills
+                half, data = data[:len(data) // 2], data[len(data) // 2:]
+                append_bytes(fd, half, self.path)
+                failpoints.hit("records.append.mid")
+            append_bytes(fd, data, self.path)  # all or nothing: a failed write leaves no torn line
         finally:
             os.close(fd)
+        failpoints.hit("records.append.after")
 
 
 # ------------------------------------------------------------ SWiRL decomposition

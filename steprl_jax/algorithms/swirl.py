@@ -31,6 +31,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from steprl_jax import failpoints
 from steprl_jax.agents.records import RecordStore, Trajectory
 from steprl_jax.agents.tasks import build_suite
 from steprl_jax.algorithms import sft as sft_lib
@@ -117,7 +118,9 @@ def run(config, model_and_tokenizer=None) -> dict:
         # What a stage read may have changed: later stages run again.
         for later in STAGES[STAGES.index(stage) + 1:]:
             clear_stage(config.workdir, later)
+        failpoints.hit("swirl.stage.before_mark")
         mark_stage(config.workdir, stage, {**result, "key": _stage_key(config, stage)})
+        failpoints.hit("swirl.stage.after_mark")
         summary[stage] = result
         log.info("stage %s done in %.1f s", stage, time.perf_counter() - t0)
     return summary
@@ -151,15 +154,16 @@ def collect(config, model, tokenizer) -> dict:
     k = int(config.swirl.samples_per_question)
     store = RecordStore(_path(config, "trajectories.jsonl"))
     done = store.done_ids()
-    todo = [(f"{t.id}#{e}", t) for t in suite.tasks for e in range(k)]
-    todo = [(i, t) for i, t in todo if i not in done]
+    episodes = [(f"{t.id}#{e}", t) for t in suite.tasks for e in range(k)]
+    # Each episode keeps its index in the whole collection (its sampling key): a resumed run
+    # samples for the missing episodes exactly what an uninterrupted run would have.
+    todo = [(i, episode) for i, episode in enumerate(episodes) if episode[0] not in done]
     if todo:
         sampler = Sampler(model, tokenizer, max_context=int(config.rollout.max_context))
-        # The seed of a resumed run's engine differs from the first run's: its episodes are new samples.
-        engine = RolloutEngine(sampler, tokenizer, suite.env, rollout_config(config), seed=int(config.seed) + len(done))
+        engine = RolloutEngine(sampler, tokenizer, suite.env, rollout_config(config), seed=int(config.seed))
         bar = tqdm(total=len(todo), desc="collect", disable=not config.progress)
         try:
-            for trajectory in engine.run(todo):
+            for trajectory in engine.run([e for _, e in todo], indices=[i for i, _ in todo]):
                 store.append(trajectory)
                 bar.update(1)
         finally:

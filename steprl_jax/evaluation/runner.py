@@ -64,8 +64,10 @@ def evaluate(config, model_and_tokenizer=None, *, split: Optional[str] = None, o
                 store.append(judging.judge_tree(tasks_by_id[record.query_id], record))
                 bar.update(1)
         else:
-            todo = [(f"{t.id}#{e}", t) for t in suite.tasks for e in range(int(config.rollout.episodes_per_task))]
-            todo = [(i, t) for i, t in todo if i not in done]
+            episodes = [(f"{t.id}#{e}", t) for t in suite.tasks for e in range(int(config.rollout.episodes_per_task))]
+            # each episode samples with its index in the whole run: a resumed run samples what it would have
+            indices = [i for i, (episode_id, _) in enumerate(episodes) if episode_id not in done]
+            todo = [episodes[i] for i in indices]
             bar = tqdm(total=len(todo), desc=f"{name}episodes", disable=not config.progress)
             size, batch = int(config.rollout.batch_size), []
 
@@ -74,7 +76,7 @@ def evaluate(config, model_and_tokenizer=None, *, split: Optional[str] = None, o
                     store.append(trajectory)
                 bar.update(len(batch))
 
-            for trajectory in engine.run(todo):
+            for trajectory in engine.run(todo, indices=indices):
                 batch.append(trajectory)
                 if len(batch) == size:
                     judge_and_store(batch)

@@ -8,9 +8,11 @@
 state); restored arrays take its shardings, so a run resumes on the same mesh. The RNG lives
 in the state; the data position is JSON (whatever the data loader needs to continue). Saving
 copies device arrays to host and writes synchronously, so a resumed run on CPU continues
-bit-identically. A step is complete once orbax has committed it (renamed its temporary folder);
-a save the storage refuses (a full disk) removes its partial folder and raises an OSError naming
-the step's path, and the same Checkpointer saves again once there is space.
+bit-identically. A step is complete once orbax has committed it (renamed its temporary folder; a
+save killed before that leaves `<step>.orbax-checkpoint-tmp`, never listed nor loaded, replaced
+when that step is saved again); a save the storage refuses (a full disk) removes its partial
+folder and raises an OSError naming the step's path, and the same Checkpointer saves again once
+there is space.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from typing import Any, Optional, Tuple
 import jax
 import orbax.checkpoint as ocp
 
+from steprl_jax import failpoints
 from steprl_jax.training.state import TrainState
 
 
@@ -37,13 +40,25 @@ def _os_error_code(error: BaseException) -> Optional[int]:
     return int(match.group(1)) if match else None
 
 
+class _FailBeforeCommit(ocp.path.atomicity.AtomicRenameTemporaryPath):
+    """Orbax's commit (a marker file, then the rename of `<step>.orbax-checkpoint-tmp` to `<step>`)
+    with the fail point "checkpoint.save.mid" just before it: every item of the step is written,
+    the step is not committed. Used only when that point is armed."""
+
+    async def finalize(self, *args, **kwargs):
+        if self.get_final().name.isdigit():  # the step's folder, not one of its items'
+            failpoints.hit("checkpoint.save.mid")
+        return await super().finalize(*args, **kwargs)
+
+
 class Checkpointer:
     def __init__(self, directory: str, *, max_to_keep: int = 3):
         if max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep}")
         self.directory = os.path.abspath(directory)
-        options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
-                                               enable_async_checkpointing=False)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep, create=True, enable_async_checkpointing=False,
+            temporary_path_class=_FailBeforeCommit if failpoints.armed("checkpoint.save.mid") else None)
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def save(self, state: TrainState, *, data_position: Optional[dict] = None,
@@ -60,6 +75,7 @@ class Checkpointer:
             if code is None:
                 raise
             raise self._failed_save(step, code) from error
+        failpoints.hit("checkpoint.save.after")
         return step
 
     def _failed_save(self, step: int, code: int) -> OSError:
