@@ -15,8 +15,6 @@ document (TypeError, KeyError, RecursionError, OverflowError, MemoryError, StopI
 ValueError where a typed error is documented, ...), a broken contract, more than `cpu_limit_s` of CPU
 time on the calling thread (CPU time, not wall time, so that a loaded machine does not fail it), or no
 answer within `WALL_LIMIT_S` (an alarm interrupts the case).
-A target's `known` lists bugs reported but not fixed yet (in code another change owns): a matching
-exception is a known failure, counted apart; `test_fuzz.py` holds a strict xfail for each.
 
 Adding a target is one line in `TARGETS` (plus its check and generator).
 """
@@ -345,19 +343,6 @@ def raw_call(src: Source) -> Any:
 
 # ------------------------------------------------------------------ the targets
 @dataclasses.dataclass(frozen=True)
-class Known:
-    """A reported bug that is not fixed yet: `exception` raised with `function` on the traceback."""
-
-    exception: type
-    function: str
-    note: str
-
-    def matches(self, error: BaseException) -> bool:
-        return isinstance(error, self.exception) and any(
-            frame.name == self.function for frame in traceback.extract_tb(error.__traceback__))
-
-
-@dataclasses.dataclass(frozen=True)
 class Target:
     name: str
     check: Callable[[Any], None]
@@ -366,7 +351,6 @@ class Target:
     examples: int  # hypothesis examples in CI
     weight: int = 4  # share of the long run
     cpu_limit_s: float = 2.0
-    known: tuple[Known, ...] = ()
     setup: Callable[[], Any] = lambda: None  # one-off work (imports, tokenizers) kept out of the timed cases
 
     def generate(self, src: Source) -> Any:
@@ -382,7 +366,7 @@ class Target:
 @dataclasses.dataclass(frozen=True)
 class Failure:
     target: str
-    kind: str  # "exception" | "contract" | "slow" | "hang" | "known" (| "generator" | "crash" in the long run)
+    kind: str  # "exception" | "contract" | "slow" | "hang" (| "generator" | "crash" in the long run)
     detail: str
     value: Any
 
@@ -429,11 +413,9 @@ def run_case(target: Target, value: Any) -> Failure | None:
     except Unexpected as error:
         return Failure(target.name, "contract", str(error)[:1000], value)
     except Exception as error:  # also RecursionError, StopIteration; MemoryError is an Exception too
-        known = next((k for k in target.known if k.matches(error)), None)
-        kind = "known" if known is not None else "exception"
         where = traceback.extract_tb(error.__traceback__)[-1]
         detail = f"{type(error).__name__}: {str(error)[:300]} (at {where.name}, line {where.lineno})"
-        return Failure(target.name, kind, detail, value)
+        return Failure(target.name, "exception", detail, value)
     spent = time.thread_time() - start
     if spent > target.cpu_limit_s:
         return Failure(target.name, "slow", f"{spent:.2f} s of CPU time (limit {target.cpu_limit_s:g} s)", value)

@@ -9,8 +9,8 @@ import os
 import signal
 import time
 
-KILL_ENV = "STEPRL_JAX_KILL_AT"  # steprl_jax.failpoints.ENV
-TMP_SUFFIX = ".orbax-checkpoint-tmp"  # an orbax step folder not (yet) committed
+from steprl_jax.failpoints import ENV as KILL_ENV
+from steprl_jax.training.checkpoint import _TMP_SUFFIX as TMP_SUFFIX  # a step folder not (yet) committed
 
 
 def kill_when(proc, condition, timeout_s: float, read_log) -> None:

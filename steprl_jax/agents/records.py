@@ -22,7 +22,7 @@ import os
 from typing import Any, Iterator, Optional
 
 from steprl_jax import failpoints
-from steprl_jax.data.jsonl import append_bytes
+from steprl_jax.data.jsonl import append_whole
 
 RECORD_VERSION = 1
 
@@ -233,17 +233,24 @@ class RecordStore:
         return {record.id for record in self}
 
     def append(self, record) -> None:
+        """One line, all or nothing (`data.jsonl.append_whole`: a failed write leaves no torn line)."""
         data = (json.dumps(record.to_json(), ensure_ascii=False) + "\n").encode("utf-8")
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            if failpoints.armed("records.append.mid"):  # a torn line really on disk when it kills
-                half, data = data[:len(data) // 2], data[len(data) // 2:]
-                append_bytes(fd, half, self.path)
-                failpoints.hit("records.append.mid")
-            append_bytes(fd, data, self.path)  # all or nothing: a failed write leaves no torn line
-        finally:
-            os.close(fd)
+        if failpoints.armed("records.append.mid"):
+            self._append_in_halves(data)
+        else:
+            append_whole(self.path, data)
         failpoints.hit("records.append.after")
+
+    def _append_in_halves(self, data: bytes) -> None:
+        """The fail point "records.append.mid": half the line is on disk when it kills."""
+        start = os.path.getsize(self.path) if os.path.exists(self.path) else 0
+        append_whole(self.path, data[:len(data) // 2])
+        failpoints.hit("records.append.mid")
+        try:
+            append_whole(self.path, data[len(data) // 2:])
+        except OSError:
+            os.truncate(self.path, start)  # still all or nothing
+            raise
 
 
 # ------------------------------------------------------------ SWiRL decomposition

@@ -37,7 +37,7 @@ from typing import Iterable, Iterator, Optional, Sequence
 import jax
 import numpy as np
 
-from steprl_jax.agents.environments import Task, clip_result
+from steprl_jax.agents.environments import MAX_RESULT_CHARS, Task, clip_result
 from steprl_jax.agents.records import Step, TreeNode, TreeRecord, Trajectory
 from steprl_jax.sampling.sampler import ContextOverflowError, common_prefix_length
 
@@ -55,7 +55,7 @@ class RolloutConfig:
     batch_size: int = 16
     tool_workers: int = 16
     with_entropy: bool = False  # record per-token entropies (ARPO branches on them)
-    max_result_chars: int = 4000  # longer tool results reach the agent cut, with a marker
+    max_result_chars: int = MAX_RESULT_CHARS  # longer tool results reach the agent cut, with a marker
     # Rows whose tools finish within this window after the first one join the same generation call.
     coalesce_s: float = 0.02
     continuous: bool = True  # `run`: continuous batching (see the module docstring)

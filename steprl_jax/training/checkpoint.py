@@ -28,7 +28,7 @@ from steprl_jax import failpoints
 from steprl_jax.training.state import TrainState
 
 
-_TMP_SUFFIX = ".orbax-checkpoint-tmp"  # a step folder orbax has not committed (renamed) yet
+_TMP_SUFFIX = ocp.path.step.TMP_DIR_SUFFIX  # a step folder orbax has not committed (renamed) yet
 
 
 def _os_error_code(error: BaseException) -> Optional[int]:
@@ -40,15 +40,19 @@ def _os_error_code(error: BaseException) -> Optional[int]:
     return int(match.group(1)) if match else None
 
 
-class _FailBeforeCommit(ocp.path.atomicity.AtomicRenameTemporaryPath):
+def _fail_before_commit():
     """Orbax's commit (a marker file, then the rename of `<step>.orbax-checkpoint-tmp` to `<step>`)
     with the fail point "checkpoint.save.mid" just before it: every item of the step is written,
-    the step is not committed. Used only when that point is armed."""
+    the step is not committed. Built only when that point is armed, so that no other run depends
+    on orbax's temporary-path classes."""
 
-    async def finalize(self, *args, **kwargs):
-        if self.get_final().name.isdigit():  # the step's folder, not one of its items'
-            failpoints.hit("checkpoint.save.mid")
-        return await super().finalize(*args, **kwargs)
+    class FailBeforeCommit(ocp.path.atomicity.AtomicRenameTemporaryPath):
+        async def finalize(self, *args, **kwargs):
+            if self.get_final().name.isdigit():  # the step's folder, not one of its items'
+                failpoints.hit("checkpoint.save.mid")
+            return await super().finalize(*args, **kwargs)
+
+    return FailBeforeCommit
 
 
 class Checkpointer:
@@ -58,7 +62,7 @@ class Checkpointer:
         self.directory = os.path.abspath(directory)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, create=True, enable_async_checkpointing=False,
-            temporary_path_class=_FailBeforeCommit if failpoints.armed("checkpoint.save.mid") else None)
+            temporary_path_class=_fail_before_commit() if failpoints.armed("checkpoint.save.mid") else None)
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def save(self, state: TrainState, *, data_position: Optional[dict] = None,
