@@ -740,8 +740,6 @@ def serve_app():
     return module
 
 
-_CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
-           "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 # A template with a place for tools and assistant tool calls (the server then passes calls natively).
 _NATIVE = ("{% if tools %}{{ tools | tojson }}\n{% endif %}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
            "{% if m.tool_calls %}{{ m.tool_calls | tojson }}{% endif %}\n{% endfor %}"
@@ -751,20 +749,9 @@ _NATIVE = ("{% if tools %}{{ tools | tojson }}\n{% endif %}{% for m in messages 
 @functools.cache
 def tokenizers() -> tuple:
     """Byte-level tokenizers (no model): ChatML without tools, a template with tool calls, and none."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from steprl_jax.models.chat import CHATML_TEMPLATE, byte_level_tokenizer
 
-    out = []
-    for template in (_CHATML, _NATIVE, None):
-        alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-        backend = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-        backend.decoder = decoders.ByteLevel()
-        tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>",
-                                            eos_token="<|im_end|>", pad_token="<|im_end|>")
-        tokenizer.chat_template = template
-        out.append(tokenizer)
-    return tuple(out)
+    return tuple(byte_level_tokenizer(template) for template in (CHATML_TEMPLATE, _NATIVE, None))
 
 
 def _request_error(fn: Callable, *args) -> tuple[Any, Exception | None]:

@@ -11,6 +11,7 @@ from chat_stub import ChatStub
 from steprl_jax.agents.formats import render_tagged_observation
 from steprl_jax.judges import prompts
 from steprl_jax.judges.rewards import (RewardItem, RuleRewardModel, build_reward_model, parse_score)
+from steprl_jax.models.chat import byte_level_tokenizer
 from steprl_jax.tools.calculator import calculate
 
 QUESTION = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. " \
@@ -268,30 +269,13 @@ def test_parse_score():
 
 
 # ------------------------------------------------------------------ local kind (a tiny random model)
-def byte_tokenizer():
-    """A byte-level BPE without merges (256 byte tokens) plus ChatML's two special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    backend.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                        pad_token="<|im_end|>")
-    tokenizer.chat_template = (
-        "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
-        "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-    return tokenizer
-
-
 def test_local_kind_on_a_tiny_random_model():
     # The random model writes no verdict: every reward fails as unparsed, none is guessed.
     from flax import nnx
 
     from steprl_jax.models import ModelConfig, Transformer
 
-    tokenizer = byte_tokenizer()
+    tokenizer = byte_level_tokenizer()
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     config = ModelConfig.tiny("llama", vocab_size=320, max_position_embeddings=4096, eos_token_ids=(eos,),
                               pad_token_id=eos)

@@ -171,3 +171,27 @@ def _adds_bos(tokenizer) -> bool:
         return False
     ids = tokenizer("a")["input_ids"]
     return bool(ids) and ids[0] == tokenizer.bos_token_id
+
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def byte_level_tokenizer(chat_template: Optional[str] = CHATML_TEMPLATE, extra_tokens: Sequence[str] = ()):
+    """A tokenizer that needs no checkpoint: byte-level BPE without merges (256 byte tokens, ids
+    0-255), then ChatML's `<|im_start|>` / `<|im_end|>` (the end of a turn, eos and pad), then
+    `extra_tokens`. For tiny random models in tests and quick runs."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    backend = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                        pad_token="<|im_end|>")
+    if extra_tokens:
+        tokenizer.add_tokens(list(extra_tokens))
+    tokenizer.chat_template = chat_template
+    return tokenizer
