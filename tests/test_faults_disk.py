@@ -1,5 +1,5 @@
-"""A full disk under records, metrics and checkpoints: a real tmpfs mounted for each test (we run as
-root; skipped, with the reason, where mounting is not permitted) and filled up with a filler file.
+"""A full disk under records, metrics and checkpoints: a real tmpfs mounted for each test (needs root
+or CAP_SYS_ADMIN to mount a tmpfs; skipped otherwise, with the reason) and filled up with a filler file.
 
 What must hold: the write that meets the full disk raises an OSError with errno ENOSPC that names
 the file; nothing half-written stays behind (no torn JSONL line, no checkpoint step that loads as

@@ -223,11 +223,13 @@ def test_retries_are_counted(judged):
 
 
 def test_retry_after_is_honoured(judged):
-    """Each retry after a 429 waits exactly Retry-After (below max_backoff_s), and the endpoint sees
-    the next attempt no sooner; retries after other faults use the short exponential backoff."""
+    """Each retry after a 429 waits Retry-After (below max_backoff_s, above our own short backoff)
+    times a jitter of at most 10%, and the endpoint sees the next attempt no sooner; retries after
+    other faults use the short exponential backoff."""
     delays = [delay for reason, delay in judged["retries"] if reason.startswith("HTTP 429")]
     others = [delay for reason, delay in judged["retries"] if not reason.startswith("HTTP 429")]
-    assert delays and all(d == RETRY_AFTER_S for d in delays)
+    assert delays and all(RETRY_AFTER_S <= d <= RETRY_AFTER_S * 1.1 for d in delays), delays
+    assert len(set(delays)) > 1  # jittered: threads told the same Retry-After do not retry in lockstep
     assert others and all(d <= 0.05 * 2 ** RETRIES for d in others)
     gaps = []
     for tries in _attempts(judged["endpoint"].log).values():
@@ -240,13 +242,19 @@ def test_retry_after_is_honoured(judged):
     assert max(gaps) < RETRY_AFTER_S + 5.0  # not the 30 s a server would ask, nor a runaway backoff
 
 
-@pytest.mark.parametrize("case", ["capped", "date", "short"])
+CASES = ["capped", "date", "short", "zero", "past"]
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_retry_after_is_capped_read_as_a_date_and_not_exceeded(case):
     """Retry-After 30 s is capped at max_backoff_s (0.3 s); an HTTP date 2 s ahead means 1 to 2 s (the
-    date has whole seconds); Retry-After 1 s is what is waited even when our own backoff would be
-    longer (backoff_s=10)."""
-    value = {"capped": "30", "date": formatdate(time.time() + 2.0, usegmt=True), "short": "1"}[case]
-    backoff_s, max_backoff_s = {"capped": (0.01, 0.3), "date": (0.01, 5.0), "short": (10.0, 30.0)}[case]
+    date has whole seconds); Retry-After 1 s is what is waited when our own backoff is shorter; and
+    `Retry-After: 0` or a date already past still wait our floor, backoff_s x U(0.5, 1) (0.5 to 1 s
+    here), never an immediate retry. Each wait is then stretched by at most 10% of jitter."""
+    value = {"capped": "30", "date": formatdate(time.time() + 2.0, usegmt=True), "short": "1", "zero": "0",
+             "past": formatdate(time.time() - 60.0, usegmt=True)}[case]
+    backoff_s, max_backoff_s = {"capped": (0.01, 0.3), "date": (0.01, 5.0), "short": (0.05, 30.0),
+                                "zero": (1.0, 30.0), "past": (1.0, 30.0)}[case]
     endpoint = FaultyEndpoint(retry_after=value, script={0: "429"})
     try:
         backend = HttpChatBackend(endpoint.base_url, "stub", timeout_s=TIMEOUT_S, retries=1, backoff_s=backoff_s,
@@ -257,5 +265,6 @@ def test_retry_after_is_capped_read_as_a_date_and_not_exceeded(case):
         endpoint.close()
     first, second = endpoint.log
     gap = second["arrived"] - first["answered"]
-    low, high = {"capped": (0.3, 5.0), "date": (0.9, 2.5), "short": (1.0, 4.0)}[case]
+    low, high = {"capped": (0.3, 5.0), "date": (0.9, 2.5), "short": (1.0, 4.0), "zero": (0.5, 4.0),
+                 "past": (0.5, 4.0)}[case]
     assert low <= gap < high, gap

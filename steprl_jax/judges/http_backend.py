@@ -6,8 +6,9 @@
   server that trickles its body byte by byte is cut off too: an attempt takes at most about twice
   `timeout_s`); timeouts, connection errors, 408/425/429/5xx and malformed replies are retried,
   other 4xx fail at once. Before a retry it waits what the server's Retry-After says (seconds or an
-  HTTP date), capped at `max_backoff_s`, or else an exponential backoff with jitter. After the last
-  retry `BackendError` says why.
+  HTTP date; at least `backoff_s` x U(0.5, 1), so `Retry-After: 0` still waits a little), capped at
+  `max_backoff_s`, times a jitter of U(1, 1.1); without Retry-After, an exponential backoff with
+  jitter. After the last retry `BackendError` says why.
 * At most `max_concurrency` requests are in flight at once (a semaphore, released during backoff),
   so a judge's thread pool can fan out without flooding the endpoint.
 """
@@ -116,10 +117,7 @@ class HttpChatBackend:
                 last_reason = self._scrub(str(error))
                 if attempt == self.retries:
                     break
-                if error.retry_after is not None:  # the server knows best when it can take the request
-                    delay = min(error.retry_after, self.max_backoff_s)
-                else:
-                    delay = min(self.max_backoff_s, self.backoff_s * 2 ** attempt) * random.uniform(0.5, 1.0)
+                delay = self._delay(attempt, error.retry_after)
                 log.warning("judge endpoint %s: %s; retry %d/%d in %.1fs", self.base_url, last_reason,
                             attempt + 1, self.retries, delay)
                 time.sleep(delay)
@@ -128,6 +126,18 @@ class HttpChatBackend:
                 raise BackendError(self._scrub(str(error))) from None
         self._count("failures")
         raise BackendError(f"{last_reason} (after {self.retries + 1} attempts)")
+
+    def _delay(self, attempt: int, retry_after: float | None) -> float:
+        """How long to wait before retry `attempt + 1`.
+
+        Without Retry-After: exponential backoff with jitter. With it: what the server asks, but never
+        less than a short floor (`Retry-After: 0` or a date already past must not mean "hammer it
+        now"), capped at `max_backoff_s`, then spread by up to 10% so that a judge's threads that
+        were all told the same thing do not all come back at the same instant."""
+        if retry_after is None:
+            return min(self.max_backoff_s, self.backoff_s * 2 ** attempt) * random.uniform(0.5, 1.0)
+        floor = self.backoff_s * random.uniform(0.5, 1.0)
+        return min(max(retry_after, floor), self.max_backoff_s) * random.uniform(1.0, 1.1)
 
     def _attempt(self, data: bytes) -> list[str]:
         headers = {"Content-Type": "application/json", "Accept": "application/json"}

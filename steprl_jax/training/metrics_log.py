@@ -50,28 +50,27 @@ class EventFile:
     data), appended whole or not at all."""
 
     def __init__(self, folder: str):
-        from tensorboardX.proto import event_pb2
+        from tensorboardX.proto import event_pb2, summary_pb2
+        from tensorboardX.record_writer import masked_crc32c
 
         self._event = event_pb2.Event
+        self._summary = summary_pb2.Summary
+        self._crc = masked_crc32c
         os.makedirs(folder, exist_ok=True)
         self.path = os.path.join(folder, f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}")
         self._append(self._event(wall_time=time.time(), file_version="brain.Event:2"))
 
     def scalars(self, step: int, values: Mapping[str, float]) -> None:
-        from tensorboardX.proto import summary_pb2
-
         if values:
-            summary = summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=tag, simple_value=value)
-                                                 for tag, value in values.items()])
+            summary = self._summary(value=[self._summary.Value(tag=tag, simple_value=value)
+                                           for tag, value in values.items()])
             self._append(self._event(wall_time=time.time(), step=step, summary=summary))
 
     def _append(self, event) -> None:
-        from tensorboardX.record_writer import masked_crc32c
-
         data = event.SerializeToString()
         header = struct.pack("<Q", len(data))
-        append_whole(self.path, header + struct.pack("<I", masked_crc32c(header)) + data
-                     + struct.pack("<I", masked_crc32c(data)))
+        append_whole(self.path, header + struct.pack("<I", self._crc(header)) + data
+                     + struct.pack("<I", self._crc(data)))
 
 
 def read_metrics(workdir: str) -> dict[str, list[dict]]:
