@@ -111,7 +111,7 @@ def test_real_stop_strings(sampler, prompts, batch_run):
     tokenizer = sampler.tokenizer
     # Tags split over several real tokens are matched at exactly the token that completes them.
     stops = ["</answer>", "</tool_call>", "</math_exp>", "</search_query>"]
-    table = token_transition_table([s.encode() for s in stops], sampler._bytes_table(), 64)
+    table = token_transition_table([s.encode() for s in stops], sampler.token_bytes(), 64)
     for text in ["<answer>42</answer>\nmore", 'x <tool_call>[{"name": "a"}]</tool_call>', "é </math_exp>"]:
         ids = tokenizer.encode(text, add_special_tokens=False)
         state, hit = 0, None

@@ -395,6 +395,29 @@ def test_cancelled_generation_stops_at_its_next_decode_chunk(server):
         assert delta.completion is None
 
 
+def test_generation_past_its_deadline_answers_504_and_frees_its_slot(server, limited):
+    engine = server.engine
+    # Compile the decode program first (a streamed request of the same size, dropped after its first chunk),
+    # so that the deadline passes while the rows decode, not while they compile.
+    warm = engine.submit(USER, max_tokens=1500, temperature=0, stream=True)
+    assert warm.next_delta(timeout=300) is not None
+    warm.cancel()
+    assert engine.complete(USER, max_tokens=2, temperature=0, timeout=120)[0].completion_tokens == 2
+    in_flight = lambda: call(limited.url.removesuffix("/v1") + "/health")[1]["in_flight"]  # noqa: E731
+    # Greedy: ~1500 tokens without an end of turn, far more than the limited server's 1 s allows.
+    started = time.monotonic()
+    status, reply = call(limited.url + "/chat/completions",
+                         {"model": "tiny", "messages": USER, "max_tokens": 1500, "temperature": 0})
+    assert status == 504 and time.monotonic() - started < 30
+    assert reply == {"error": {"message": "the request did not finish within 1.0 s", "type": "server_error",
+                               "param": None, "code": "timeout"}}
+    wait_for(lambda: in_flight() == 0)
+    # The slot is free and the worker is not busy with the dropped rows: a small request is answered.
+    status, reply = call(limited.url + "/chat/completions",
+                         {"model": "tiny", "messages": USER, "max_tokens": 3, "temperature": 0})
+    assert status == 200 and reply["usage"]["completion_tokens"] == 3
+
+
 def test_slow_and_oversized_requests(limited):
     host, port = limited.httpd.server_address[:2]
     head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

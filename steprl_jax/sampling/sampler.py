@@ -742,7 +742,7 @@ class Sampler:
 
     def decode_text(self, token_ids: Sequence[int]) -> str:
         """Text of token ids as the stop-string detector sees it (special tokens dropped)."""
-        table = self._bytes_table()
+        table = self.token_bytes()
         return b"".join(table[int(t)] for t in token_ids).decode("utf-8", errors="replace")
 
     # ------------------------------------------------------------------ internals
@@ -765,7 +765,9 @@ class Sampler:
             raise ValueError(f"generate: key must be one PRNG key or {n} keys (one per row), got shape {shape}")
         return self._put_rows(keys)
 
-    def _bytes_table(self) -> list:
+    def token_bytes(self) -> list:
+        """The bytes of every token id as the stop-string detector sees them (`stop.token_bytes_table`,
+        built once on first use)."""
         if self._token_bytes is None:
             self._token_bytes = stop_lib.token_bytes_table(self.tokenizer, self.config.vocab_size)
         return self._token_bytes
@@ -777,12 +779,12 @@ class Sampler:
         if key not in self._stop_tables:
             patterns = [s.encode("utf-8") for s in key]
             states = bucket(sum(len(p) for p in patterns) + 1, 16)
-            table = stop_lib.token_transition_table(patterns, self._bytes_table(), states)
+            table = stop_lib.token_transition_table(patterns, self.token_bytes(), states)
             self._stop_tables[key] = (jnp.asarray(table), states)
         return self._stop_tables[key]
 
     def _set_text(self, gen: Generation, stop: tuple) -> None:
-        table = self._bytes_table()
+        table = self.token_bytes()
         data = b"".join(table[int(t)] for t in gen.tokens)
         text = data.decode("utf-8", errors="replace")
         if gen.finish_reason == "stop":

@@ -50,7 +50,7 @@ import uuid
 from typing import Any, Iterable, Iterator
 
 from steprl_jax.serve.chat_format import TOOL_CALL_OPEN, RequestError, parse_tool_calls
-from steprl_jax.serve.engine import ChatEngine, Completion, Delta, Job, held_suffix
+from steprl_jax.serve.engine import ChatEngine, Completion, Delta, Job, extension, held_suffix
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_TOKENS = 256  # when a request names none (the engine also caps it at the room left in the context)
@@ -194,17 +194,18 @@ class _ContentStream:
             at = candidate.find(TOOL_CALL_OPEN)
             end = at if at >= 0 else len(candidate) - held_suffix(candidate, (TOOL_CALL_OPEN,))
             candidate = candidate[:end].strip()
-        return self._advance(candidate)
+        return self._advance(candidate) or ""
 
     def finish(self, content: str) -> str:
-        if not content.startswith(self.sent):
+        delta = self._advance(content)
+        if delta is None:
             log.warning("streamed content %r is not a prefix of the final content", self.sent[-40:])
-        return self._advance(content)
+        return delta or ""
 
-    def _advance(self, candidate: str) -> str:
-        if len(candidate) <= len(self.sent) or not candidate.startswith(self.sent):
-            return ""
-        delta, self.sent = candidate[len(self.sent):], candidate
+    def _advance(self, candidate: str) -> str | None:
+        delta = extension(self.sent, candidate)
+        if delta:
+            self.sent = candidate
         return delta
 
 

@@ -6,7 +6,8 @@ takes every waiting request that shares the sampling settings and runs them as o
 Each request has its own PRNG key (`seed`, or the engine's stream) and row j of a request uses
 `fold_in(key, j)`: its samples do not depend on what else was in the batch.
 
-A batch is decoded in chunks of `decode_chunk` steps (`Sampler.generate` with `running=` and
+A batch in which some request streams or may be cancelled (`submit`'s default; `complete` with a
+`timeout`) is decoded in chunks of `decode_chunk` steps (`Sampler.generate` with `running=` and
 `max_steps=`, which continues each row exactly as one long call would). Between chunks the worker
 
 * hands every streaming request the text its rows gained (`Delta`s; see `IncrementalText` for
@@ -15,9 +16,10 @@ A batch is decoded in chunks of `decode_chunk` steps (`Sampler.generate` with `r
 * drops the rows of cancelled requests (a timeout, a client that went away), which then cost
   nothing more. A request still waiting for the worker is dropped before it starts.
 
-So streaming and plain requests go through the same path and give the same text. The price is
-one device-to-host transfer per chunk instead of one per batch (at 16 steps, small next to the
-steps themselves). New requests wait for the running batch to finish (no continuous batching).
+So streaming and plain requests give the same text. The price of chunks is one device-to-host
+transfer per chunk instead of one per batch (at 16 steps, small next to the steps themselves); a
+batch that needs none of the above (e.g. the local judge's `complete` calls without a timeout) is
+one generate call. New requests wait for the running batch to finish (no continuous batching).
 """
 from __future__ import annotations
 
@@ -34,7 +36,6 @@ import jax
 import numpy as np
 
 from steprl_jax.sampling import Sampler, SamplingParams
-from steprl_jax.sampling import stop as stop_lib
 from steprl_jax.serve.chat_format import RequestError, render_prompt
 
 log = logging.getLogger(__name__)
@@ -59,36 +60,52 @@ class Delta:
     completion: Completion | None = None
 
 
+def extension(sent: str, text: str) -> str | None:
+    """What `text` adds to `sent` when it begins with it (possibly ""), else None."""
+    return text[len(sent):] if text.startswith(sent) else None
+
+
 class IncrementalText:
     """The text of a growing token sequence that is certain to stay: decoded with the same token
     bytes as the sampler, without a trailing incomplete UTF-8 character, and without any tail
-    that could be the beginning of a stop string (the final text ends before the stop string)."""
+    that could be the beginning of a stop string (the final text ends before the stop string).
+
+    Each update decodes only the new tokens' bytes (an incremental UTF-8 decoder holds back a
+    partial character); the text only grows, and so does its certain part."""
 
     def __init__(self, token_bytes: Sequence[bytes], stop: Sequence[str]):
         self._token_bytes = token_bytes
         self._stop = tuple(stop)
-        self._data = bytearray()
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._text = ""  # the decoded text so far
         self._tokens = 0
-        self.sent = ""
+        self._sent = 0  # how much of `_text` was handed out
+        self._final: str | None = None
+
+    @property
+    def sent(self) -> str:
+        """The text handed out so far."""
+        return self._text[:self._sent] if self._final is None else self._final
 
     def update(self, tokens: Sequence[int]) -> str:
         """The new certain text, given all tokens so far (a continuation of the previous call's)."""
-        for token in tokens[self._tokens:]:
-            self._data += self._token_bytes[int(token)]
+        new = b"".join(self._token_bytes[int(token)] for token in tokens[self._tokens:])
         self._tokens = len(tokens)
-        text, _ = codecs.utf_8_decode(bytes(self._data), "replace", False)  # holds back a partial character
-        safe = text[:len(text) - held_suffix(text, self._stop)]
-        if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
+        self._text += self._decoder.decode(new)
+        # The certain end never moves back: a held tail that grows is still a tail of the new text.
+        end = len(self._text) - held_suffix(self._text, self._stop)
+        if end <= self._sent:
             return ""
-        delta, self.sent = safe[len(self.sent):], safe
+        delta, self._sent = self._text[self._sent:end], end
         return delta
 
     def finish(self, text: str) -> str:
         """The rest of the final `text`."""
-        if not text.startswith(self.sent):  # cannot happen when the stop strings are valid UTF-8
+        delta = extension(self.sent, text)
+        if delta is None:  # cannot happen when the stop strings are valid UTF-8
             log.warning("streamed text %r is not a prefix of the final text %r", self.sent[-40:], text[-40:])
             return ""
-        delta, self.sent = text[len(self.sent):], text
+        self._final = text
         return delta
 
 
@@ -105,10 +122,12 @@ def held_suffix(text: str, patterns: Sequence[str]) -> int:
 
 class Job:
     """A submitted request: its `Delta`s arrive as the engine decodes (for a streaming request,
-    after every decode chunk; otherwise one per completion at its end). `cancel()` drops it."""
+    after every decode chunk; otherwise one per completion at its end). `cancel()` drops it (at
+    the next decode chunk, or before it starts; a job submitted with `cancellable=False` is only
+    dropped before it starts, as its batch is decoded in one piece)."""
 
-    def __init__(self, n: int, prompt_tokens: int, stream: bool):
-        self.n, self.prompt_tokens, self.stream = n, prompt_tokens, stream
+    def __init__(self, n: int, prompt_tokens: int, stream: bool, cancellable: bool = True):
+        self.n, self.prompt_tokens, self.stream, self.cancellable = n, prompt_tokens, stream, cancellable
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._cancelled = threading.Event()
 
@@ -181,7 +200,6 @@ class ChatEngine:
         self.decode_chunk = decode_chunk
         self._base_key = np.asarray(jax.random.key_data(jax.random.key(seed)), np.uint32)
         self._counter = 0
-        self._token_bytes: list | None = None
         self._pending: collections.deque[_Request] = collections.deque()
         self._cv = threading.Condition()
         self._closed = False
@@ -203,13 +221,15 @@ class ChatEngine:
         """`n` completions of the chat; temperature 0 is greedy. Raises RequestError on bad input,
         TimeoutError (the request is dropped) when they take more than `timeout` seconds."""
         job = self.submit(messages, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, stop=stop,
-                          tools=tools, seed=seed)
+                          tools=tools, seed=seed, cancellable=timeout is not None)
         return job.result(timeout)
 
     def submit(self, messages: Any, *, n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
                max_tokens: int = 256, stop: Sequence[str] = (), tools: Sequence[Mapping] | None = None,
-               seed: int | None = None, stream: bool = False) -> Job:
-        """Validate and queue a request; `stream`: deltas after every decode chunk."""
+               seed: int | None = None, stream: bool = False, cancellable: bool = True) -> Job:
+        """Validate and queue a request; `stream`: deltas after every decode chunk. `cancellable=False`
+        promises never to cancel the job once it runs, which lets its batch (when no other request in
+        it streams or may be cancelled) be decoded in one generate call instead of chunks."""
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= self.max_n:
             raise RequestError(f"n must be an integer in [1, {self.max_n}]", param="n")
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
@@ -229,10 +249,8 @@ class ChatEngine:
                                param="messages")
         params = (SamplingParams(greedy=True) if temperature == 0
                   else SamplingParams(temperature=float(temperature), top_p=float(top_p)))
-        job = Job(n, len(ids), stream)
+        job = Job(n, len(ids), stream, cancellable)
         request = _Request(ids, n, max_tokens, params, stop, self._request_key(seed), job)
-        if stream and self._token_bytes is None:
-            self._token_bytes = stop_lib.token_bytes_table(self.tokenizer, self.sampler.config.vocab_size)
         with self._cv:
             if self._closed:
                 raise RuntimeError("the chat engine is closed")
@@ -305,8 +323,11 @@ class ChatEngine:
         keys = np.stack(keys)
         max_new = np.asarray(max_new, np.int64)  # 0: a row that is done (finished, dropped or padding)
         running: list = [None] * len(prompts)
-        texts = [IncrementalText(self._token_bytes, first.stop) if request.job.stream else None
+        texts = [IncrementalText(self.sampler.token_bytes(), first.stop) if request.job.stream else None
                  for request, _ in rows]
+        # Chunks only when something may happen between them (a delta to send, a row to drop); otherwise
+        # the batch is one generate call (the rows continue across chunks exactly as in one call).
+        chunk = self.decode_chunk if any(r.job.stream or r.job.cancellable for r in batch) else None
         while True:
             for r, (request, _) in enumerate(rows):
                 if request.job.cancelled and max_new[r]:
@@ -314,7 +335,7 @@ class ChatEngine:
             if not max_new.any():
                 return
             state, generations = self.sampler.generate(state, keys, max_new_tokens=max_new, params=first.params,
-                                                       stop=first.stop, running=running, max_steps=self.decode_chunk)
+                                                       stop=first.stop, running=running, max_steps=chunk)
             for r, (request, j) in enumerate(rows):
                 if not max_new[r]:
                     continue
