@@ -37,25 +37,14 @@ TIMEOUT_S = 0.3
 HANG_S = 30.0  # a hung call returns after this long: a run that waited for one would show it
 CAP = 64  # rollout.max_result_chars
 ACTION = "<math_exp>12+7</math_exp>"
-CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
-          "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
 def tag_tokenizer():
-    """Byte-level BPE without merges (256 byte tokens), ChatML's two special tokens, and the
-    calculator tags as single tokens (so that the action is a chain of distinct tokens)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    """The byte-level ChatML tokenizer with the calculator tags as single tokens (so that the
+    action is a chain of distinct tokens)."""
+    from steprl_jax.models.chat import byte_level_tokenizer
 
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    backend = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    backend.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                        pad_token="<|im_end|>")
-    tokenizer.add_tokens(["<math_exp>", "</math_exp>"])
-    tokenizer.chat_template = CHATML
-    return tokenizer
+    return byte_level_tokenizer(extra_tokens=("<math_exp>", "</math_exp>"))
 
 
 def chain_policy(tokenizer, text: str):

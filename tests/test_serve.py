@@ -16,12 +16,11 @@ from steprl_jax.judges.local_backend import LocalChatBackend
 from steprl_jax.judges.model_judges import ProcessJudge, TrajectoryVerdictJudge
 from steprl_jax.judges.items import StepItem, TrajectoryItem
 from steprl_jax.models import ModelConfig, Transformer
+from steprl_jax.models.chat import byte_level_tokenizer
 from steprl_jax.serve import ChatEngine, ChatServer, Completion, Delta, ServerLimits, parse_tool_calls, render_prompt
 from steprl_jax.serve.app import ChatRequest, completion_response, stream_chunks
 from steprl_jax.serve.engine import IncrementalText
 
-CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
-          "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
 try:
@@ -35,25 +34,9 @@ def openai_client(server, api_key="unused", timeout=120):
     return openai.OpenAI(base_url=server.url, api_key=api_key, max_retries=0, timeout=timeout)
 
 
-def byte_tokenizer():
-    """A byte-level BPE without merges (256 byte tokens) plus ChatML's two special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {ch: i for i, ch in enumerate(alphabet)}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    backend.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                        pad_token="<|im_end|>")
-    tokenizer.chat_template = CHATML
-    return tokenizer
-
-
 @pytest.fixture(scope="module")
 def tiny():
-    tokenizer = byte_tokenizer()
+    tokenizer = byte_level_tokenizer()
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     config = ModelConfig.tiny("llama", vocab_size=320, max_position_embeddings=4096, eos_token_ids=(eos,),
                               pad_token_id=eos)

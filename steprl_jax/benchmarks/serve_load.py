@@ -228,20 +228,11 @@ def run_load(base_url: str, model: str, *, clients: int = 8, requests_per_client
 def tiny_model():
     """(model, tokenizer): a tiny random Llama and a byte-level tokenizer with ChatML's template."""
     from flax import nnx
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     from steprl_jax.models import ModelConfig, Transformer
+    from steprl_jax.models.chat import byte_level_tokenizer
 
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    backend = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    backend.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                        pad_token="<|im_end|>")
-    tokenizer.chat_template = (
-        "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
-        "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    tokenizer = byte_level_tokenizer()
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     config = ModelConfig.tiny("llama", vocab_size=320, max_position_embeddings=4096, eos_token_ids=(eos,),
                               pad_token_id=eos)
