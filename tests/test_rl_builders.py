@@ -174,8 +174,12 @@ def test_token_means_over_several_queries_are_exact_under_any_micro_batch_split(
         loss, grads, _ = _loss_and_grad(batch, m)
         assert float(loss) == pytest.approx(ref, rel=1e-5, abs=1e-6)
         results.append(grads)
+    # Micro-batches regroup each gradient's float32 sum, so its error scales with the size of the
+    # summed terms (~the array's largest entry), not with the entry itself: a small entry of a large
+    # array can differ by a few float32 ulps of that scale.
     for other in results[1:]:
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7), results[0], other)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6 * float(np.abs(a).max())),
+                     results[0], other)
 
 
 def test_dapo_overlong_shaping_at_its_boundaries():
