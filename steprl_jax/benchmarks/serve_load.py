@@ -36,16 +36,8 @@ import urllib.parse
 
 import numpy as np
 
-QUESTIONS = [
-    "Write a short story about a robot who learns to paint.",
-    "What is the capital of France? Explain its history.",
-    "List five fruits and their colours.",
-    "How do I compute the area of a circle with radius 3?",
-    "Translate 'good morning' into Spanish, French and German.",
-    "Why is the sky blue?",
-    "Give me three tips to sleep better.",
-    "Summarise the plot of Romeo and Juliet in two sentences.",
-]
+from steprl_jax.benchmarks.generation import QUESTIONS  # the same prompts as the generation benchmark
+
 MAX_429_RETRIES = 3
 
 
