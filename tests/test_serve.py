@@ -9,14 +9,12 @@ import urllib.error
 import urllib.request
 
 import pytest
-from flax import nnx
 
+from steprl_jax.benchmarks import serve_load
 from steprl_jax.judges.http_backend import HttpChatBackend
 from steprl_jax.judges.local_backend import LocalChatBackend
 from steprl_jax.judges.model_judges import ProcessJudge, TrajectoryVerdictJudge
 from steprl_jax.judges.items import StepItem, TrajectoryItem
-from steprl_jax.models import ModelConfig, Transformer
-from steprl_jax.models.chat import byte_level_tokenizer
 from steprl_jax.serve import ChatEngine, ChatServer, Completion, Delta, ServerLimits, parse_tool_calls, render_prompt
 from steprl_jax.serve.app import ChatRequest, completion_response, stream_chunks
 from steprl_jax.serve.engine import IncrementalText
@@ -36,11 +34,7 @@ def openai_client(server, api_key="unused", timeout=120):
 
 @pytest.fixture(scope="module")
 def tiny():
-    tokenizer = byte_level_tokenizer()
-    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    config = ModelConfig.tiny("llama", vocab_size=320, max_position_embeddings=4096, eos_token_ids=(eos,),
-                              pad_token_id=eos)
-    return Transformer(config, rngs=nnx.Rngs(0)), tokenizer
+    return serve_load.tiny_model()  # a tiny random Llama with the byte-level ChatML tokenizer
 
 
 @pytest.fixture(scope="module")
