@@ -7,6 +7,7 @@ import pytest
 from steprl_jax.models.presets import HF_CONFIGS, count_params, preset
 
 PUBLISHED = {
+    "smollm2-135m": 134_515_008,  # the embedded default (SmolLM2-135M-Instruct)
     "llama-3.2-1b": 1_235_814_400,
     "llama-3.1-8b": 8_030_261_248,
     "qwen2.5-7b": 7_615_616_512,  # model card: 7.61B, 6.53B non-embedding
