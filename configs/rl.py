@@ -7,11 +7,17 @@ token-level loss; GRPO seq-mean-token-mean, verl's sample std).
 from ml_collections import ConfigDict
 
 ATTENTION_LENGTH = 3072.0
+MAX_MICROBATCH_TOKENS = 8192
 
 
 def rl_config() -> ConfigDict:
     return ConfigDict(dict(
         iterations=20, queries_per_iteration=4, ppo_epochs=1, minibatches=1, num_microbatches=1,
+        # Padded tokens per micro-batch and data shard: a batch runs as more micro-batches when
+        # it holds more (the same gradient; activations and attention scores follow the
+        # micro-batch). 8192 keeps a SmolLM2-135M float32 step under ~4 GiB of temporaries;
+        # raise it on accelerators. 0: exactly num_microbatches.
+        max_microbatch_tokens=MAX_MICROBATCH_TOKENS,
         save_every=1, eval_every=5, max_row_tokens=8192,
         # Rows are regrouped to the layout of least estimated cost, rows x length x (1 + length /
         # attention_length): the row length at which a token's attention costs as much as the
@@ -24,6 +30,7 @@ def rl_config() -> ConfigDict:
         # SFT on the tool world's expert demonstrations before RL; `source`: an exported policy
         # to start from instead (e.g. the warm start of another run), skipping it.
         warm_start=ConfigDict(dict(source="", updates=0, batch_size=8, learning_rate=1e-5, num_microbatches=1,
+                                   max_microbatch_tokens=MAX_MICROBATCH_TOKENS,
                                    max_row_tokens=4096)),
         portool=ConfigDict(dict(w1=1.0, w2=1.0, rescale_fork_weight=True, ddof=0,
                                 eps_low=0.2, eps_high=0.2, agg="query_token_mean",

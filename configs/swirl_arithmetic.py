@@ -10,6 +10,7 @@ numbers, and two templates never trained on) from the test split. Sizes fit a 2-
 from ml_collections import ConfigDict
 
 from configs import demo
+from configs.rl import MAX_MICROBATCH_TOKENS
 
 
 def get_config(arg=None):
@@ -37,11 +38,12 @@ def get_config(arg=None):
             group_size=4,  # G fresh actions per saved state
             batch_size=8,  # states per update
             updates=6, ppo_epochs=1, minibatches=1, num_microbatches=1,
+            max_microbatch_tokens=MAX_MICROBATCH_TOKENS,
             advantage="rloo",  # rloo | zscore
             scale_by_std=False, agg="token_mean", eps_low=0.2, eps_high=0.2,
             kl_coef=0.0,  # k3 KL to the frozen initial policy
             save_every=4)),
-        sft=ConfigDict(dict(epochs=2, batch_size=8, num_microbatches=1)),
+        sft=ConfigDict(dict(epochs=2, batch_size=8, num_microbatches=1, max_microbatch_tokens=MAX_MICROBATCH_TOKENS)),
     ))
     # R(a | s): rule (documented heuristic) | local | http; scale binary (GOOD/BAD -> 1/0) | graded.
     # Empty fields are unset; http needs base_url and model, local takes model (default: the policy).

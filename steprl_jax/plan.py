@@ -1,7 +1,7 @@
 """Will it fit? A memory plan before the run, from XLA's own analysis of the compiled step.
 
     python -m steprl_jax.plan --model qwen2.5-7b --mesh fsdp=16,tensor=1 --batch 16 --length 4096 \\
-        [--dtype bfloat16] [--remat qkvo_saveable] [--microbatches 1] \\
+        [--dtype bfloat16] [--remat qkvo_saveable] [--microbatches 1] [--max-microbatch-tokens N] \\
         [--decode-batch 64 --context 8192 --sampler-mesh tensor=4] [--lora-rank 16] [--json PATH]
 
 Builds the train state with the preset's real shapes and no weights (abstract arrays), places it
@@ -49,7 +49,7 @@ def _bytes_per_device(tree, shardings) -> int:
 
 
 def plan(model: str, mesh_sizes: dict, batch: int, length: int, *, dtype: str = "bfloat16",
-         remat: str = "qkvo_saveable", microbatches: int = 1, decode_batch: int = 0, context: int = 0,
+         remat: str = "qkvo_saveable", microbatches: int = 1, max_microbatch_tokens: int = 0, decode_batch: int = 0, context: int = 0,
          sampler_mesh: dict | None = None, lora_rank: int = 0) -> dict:
     """The plan as a dict (see the module docstring); needs prod(mesh) devices."""
     import jax
@@ -87,7 +87,8 @@ def plan(model: str, mesh_sizes: dict, batch: int, length: int, *, dtype: str = 
     trainable_count = count(params)
     base_count = count(nnx.state(abstract, lora.Frozen)) if lora_rank else trainable_count
     step = make_train_step(graphdef, tx, TrainStepConfig(loss=LossConfig(kind="policy", agg="token_mean"),
-                                                         num_microbatches=microbatches, remat=remat or None),
+                                                         num_microbatches=microbatches, remat=remat or None,
+                                                         max_microbatch_tokens=max_microbatch_tokens),
                            mesh=mesh, state_shardings=shardings)
     bt = lambda dt: jax.ShapeDtypeStruct((batch, length), dt)
     rows = Batch(tokens=bt(jnp.int32), loss_mask=bt(jnp.float32), advantages=bt(jnp.float32),
@@ -115,7 +116,8 @@ def plan(model: str, mesh_sizes: dict, batch: int, length: int, *, dtype: str = 
     total = train["peak"] + sampler.get("weights", 0) + sampler.get("kv_cache", 0)
     return {"model": model, "parameters": base_count, "trainable_parameters": trainable_count, "lora_rank": lora_rank,
             "mesh": mesh_sizes, "devices": n, "batch": batch, "length": length, "dtype": dtype, "remat": remat,
-            "microbatches": microbatches, "train_per_device": train, "sampler_per_device": sampler,
+            "microbatches": microbatches,
+            "max_microbatch_tokens": max_microbatch_tokens, "train_per_device": train, "sampler_per_device": sampler,
             "total_per_device": total,
             "fits": {chip: {"hbm": hbm, "fits": total <= hbm, "used": round(total / hbm, 3)}
                      for chip, hbm in CHIPS.items()},
@@ -152,6 +154,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="compute dtype")
     p.add_argument("--remat", default="qkvo_saveable", help="rematerialisation policy ('' for none)")
     p.add_argument("--microbatches", type=int, default=1)
+    p.add_argument("--max-microbatch-tokens", type=int, default=0,
+                   help="padded tokens per micro-batch and data shard (0: exactly --microbatches)")
     p.add_argument("--decode-batch", type=int, default=0, help="sampler rows (0: no sampler)")
     p.add_argument("--context", type=int, default=0, help="sampler context length")
     p.add_argument("--sampler-mesh", default="", help="sampler mesh over one host's devices, e.g. tensor=4")
@@ -170,7 +174,8 @@ def main(argv=None) -> int:
                  if not f.startswith("--xla_force_host_platform_device_count")]
         os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
     result = plan(args.model, mesh, args.batch, args.length, dtype=args.dtype, remat=args.remat,
-                  microbatches=args.microbatches, decode_batch=args.decode_batch, context=args.context,
+                  microbatches=args.microbatches,
+                  max_microbatch_tokens=args.max_microbatch_tokens, decode_batch=args.decode_batch, context=args.context,
                   sampler_mesh=sampler_mesh, lora_rank=args.lora_rank)
     _print(result)
     if args.json:

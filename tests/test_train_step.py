@@ -17,7 +17,7 @@ from steprl_jax.training.config import LossConfig, OptimizerConfig, TrainStepCon
 from steprl_jax.training.forward import sequence_logprobs
 from steprl_jax.training.optimizer import lr_schedule, make_optimizer
 from steprl_jax.training.state import create_train_state, merge_model
-from steprl_jax.training.step import make_logprob_fn, make_loss_and_grad, make_train_step
+from steprl_jax.training.step import make_logprob_fn, make_loss_and_grad, make_train_step, microbatch_count
 
 CFG = ModelConfig.tiny(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=1,
                        num_heads=2, num_kv_heads=1, head_dim=16)
@@ -67,6 +67,29 @@ def test_grad_accumulation_equals_one_batch_for_every_agg_mode():
             np.testing.assert_allclose(acc[2][k], one[2][k], rtol=1e-5, atol=1e-6, err_msg=agg)
     # the modes really differ (the test would be vacuous otherwise)
     assert len({round(float(out[a, 1][0]), 6) for a in AGG_MODES}) == len(AGG_MODES)
+
+
+def test_token_budget_picks_the_microbatches_from_the_batch_shape():
+    # the fewest that divide the rows (per data shard) and keep rows x length <= the budget
+    assert microbatch_count(16, 2048, max_tokens=8192) == 4
+    assert microbatch_count(16, 2048, max_tokens=8192, data_shards=8) == 1  # 2 rows per shard fit
+    assert microbatch_count(7, 2048, max_tokens=8192) == 7  # 7 is prime: one row at a time
+    assert microbatch_count(4, 16384, max_tokens=8192) == 4  # a row over the budget runs alone
+    assert microbatch_count(16, 512, max_tokens=8192, num_microbatches=2) == 2  # never fewer than asked
+    assert microbatch_count(16, 2048, num_microbatches=2) == 2  # no budget: as asked
+    with pytest.raises(ValueError, match="max_microbatch_tokens"):
+        TrainStepConfig(max_microbatch_tokens=-1)
+    # the budgeted step is the explicit one: 16 rows x 12 tokens in 48-token micro-batches = 4
+    graphdef, params, rest = nnx.split(_model(), nnx.Param, ...)
+    batch = jax.tree.map(jnp.asarray, _batch())
+    loss_cfg = LossConfig(agg="seq_mean_token_mean")
+    budget = make_loss_and_grad(graphdef, TrainStepConfig(loss=loss_cfg, max_microbatch_tokens=48))
+    explicit = make_loss_and_grad(graphdef, TrainStepConfig(loss=loss_cfg, num_microbatches=4))
+    for a, b in zip(jax.tree.leaves(jax.jit(budget)(params, rest, batch)),
+                    jax.tree.leaves(jax.jit(explicit)(params, rest, batch))):
+        np.testing.assert_array_equal(a, b)
+    lowered = jax.jit(budget).lower(params, rest, batch).as_text()
+    assert "while" in lowered or "scan" in lowered  # the micro-batch loop is there
 
 
 def test_remat_policies_give_the_same_loss_and_gradients():

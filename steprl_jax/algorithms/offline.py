@@ -34,6 +34,7 @@ from steprl_jax.training.distributed import put_global
 from steprl_jax.training.metrics_log import MetricsLog
 from steprl_jax.training.pack import cheapest_layout, pack
 from steprl_jax.training.state import merge_model, split_model
+from steprl_jax.training.step import data_shards
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ class OfflineSpec:
     after_update: Optional[Callable] = None  # (update, params) -> None, e.g. push to a sampler
     needs_policy: bool = False  # build samples from the current parameters (a copy: the step donates them)
     attention_length: float = 0.0  # > 0: rows regrouped to the cheapest layout (training/pack.py)
+    max_microbatch_tokens: int = 0  # > 0: more micro-batches when a batch needs them (TrainStepConfig)
 
 
 def items_at(items: Sequence[Any], start: int, count: int, seed: int) -> list:
@@ -147,7 +149,8 @@ def train_offline(spec: OfflineSpec, model, *, workdir: str, seed: int, ref_para
         state, position = ckpt.restore(like=state)
         start = int(position["update"])
         log.info("%s: resumed at update %d (step %d)", spec.name, start, int(state.step))
-    step_fn = make_train_step(graphdef, tx, TrainStepConfig(loss=spec.loss, num_microbatches=spec.num_microbatches),
+    step_fn = make_train_step(graphdef, tx, TrainStepConfig(loss=spec.loss, num_microbatches=spec.num_microbatches,
+                                                                  max_microbatch_tokens=spec.max_microbatch_tokens),
                               schedule=lr_schedule(spec.optimizer), mesh=mesh, state_shardings=shardings)
     logprob_fn = make_logprob_fn(graphdef, temperature=spec.loss.temperature,
                                  mesh=mesh) if spec.loss.kl_coef > 0 else None
@@ -234,15 +237,6 @@ def train_on_rows(step_fn, state, rows, *, ppo_epochs: int = 1, minibatches: int
                    row_length=float(host.tokens.shape[1]), tokens=float(np.sum(host.attention_mask)),
                    trained_tokens=float(np.sum(host.loss_mask > 0)), padded_tokens=float(host.tokens.size))
     return state, metrics
-
-
-def data_shards(mesh) -> int:
-    """How many ways a batch splits over `mesh`'s data axes (1 without a mesh)."""
-    if mesh is None:
-        return 1
-    axes = batch_sharding(mesh).spec[0]
-    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
-    return int(np.prod([mesh.shape[a] for a in axes]))
 
 
 def _first_and_mean(step_metrics: list[dict]) -> dict:

@@ -149,6 +149,7 @@ def warm_start(config, model, tokenizer):
                            optimizer_config(config, int(w.updates), float(w.learning_rate)),
                            batch_size=int(w.batch_size), updates=int(w.updates),
                            num_microbatches=int(w.num_microbatches), save_every=max(1, int(w.updates)),
+                           max_microbatch_tokens=int(w.max_microbatch_tokens),
                            attention_length=float(config.rl.attention_length))
         graphdef, state = train_offline(spec, model, workdir=config.workdir, seed=int(config.seed),
                                         progress=bool(config.progress), base_source=config.model.source,
@@ -202,7 +203,8 @@ class OnlineLoop:
 
             write_policy_file(self.ckpt.directory, base_source)
         self.step_fn = make_train_step(self.graphdef, tx, TrainStepConfig(
-            loss=self.loss, num_microbatches=int(self.rl.num_microbatches)), schedule=lr_schedule(self.optimizer),
+            loss=self.loss, num_microbatches=int(self.rl.num_microbatches),
+            max_microbatch_tokens=int(self.rl.max_microbatch_tokens)), schedule=lr_schedule(self.optimizer),
             mesh=self.mesh, state_shardings=shardings)
         self.ref_params = None
         self.logprob_fn = None

@@ -411,6 +411,7 @@ def train(config, model, tokenizer) -> dict:
     spec = OfflineSpec("swirl", units, builder, loss, optimizer_config(config, steps), batch_size=int(t.batch_size),
                        updates=int(t.updates), ppo_epochs=int(t.ppo_epochs), minibatches=int(t.minibatches),
                        num_microbatches=int(t.num_microbatches), save_every=int(t.save_every),
+                       max_microbatch_tokens=int(t.max_microbatch_tokens),
                        min_rows=int(t.batch_size), needs_policy=True)
     ref = None
     if spec.loss.kl_coef > 0:
@@ -438,7 +439,8 @@ def sft(config, model, tokenizer) -> dict:
     updates = max(1, -(-len(groups) * int(s.epochs) // int(s.batch_size)))
     spec = OfflineSpec("sft", groups, lambda items, update, policy: (sft_lib.sft_rows(items), {}),
                        sft_lib.LOSS, optimizer_config(config, updates), batch_size=int(s.batch_size), updates=updates,
-                       num_microbatches=int(s.num_microbatches), save_every=int(config.swirl.train.save_every))
+                       num_microbatches=int(s.num_microbatches), save_every=int(config.swirl.train.save_every),
+                       max_microbatch_tokens=int(s.max_microbatch_tokens))
     graphdef, state = train_offline(spec, model, workdir=config.workdir, seed=int(config.seed),
                                     progress=bool(config.progress), base_source=config.model.source,
                                     mesh_config=config.get("mesh"), lora_config=LoraConfig.from_config(config.get("lora")))

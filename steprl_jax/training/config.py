@@ -89,13 +89,22 @@ class TrainStepConfig:
     `jax.checkpoint_policies` name or "qkvo_saveable", see `models.transformer.remat_policy`),
     or None to keep every intermediate. Recomputing made the SmolLM2 8 x 512 step faster on
     CPU (less residual traffic) and cut its peak memory ~4x; "qkvo_saveable" (keep the
-    attention projections' outputs) is ~5% faster again than "nothing_saveable"."""
+    attention projections' outputs) is ~5% faster again than "nothing_saveable".
+
+    `max_microbatch_tokens` (> 0) bounds the padded tokens (rows x row length) of one
+    micro-batch per data shard: a batch is split into at least `num_microbatches` micro-batches,
+    more when its shape needs it (`training.step.microbatch_count`, decided from the static shape
+    when the step is traced). Activation memory follows the micro-batch, not the batch, so a long
+    RL batch fits the same memory as a short one (verl's `ppo_max_token_len_per_gpu`)."""
     loss: LossConfig = LossConfig()
     num_microbatches: int = 1
     remat: Optional[str] = "qkvo_saveable"
+    max_microbatch_tokens: int = 0
 
     def __post_init__(self):
         if self.num_microbatches < 1:
             raise ValueError(f"num_microbatches must be >= 1, got {self.num_microbatches}")
+        if self.max_microbatch_tokens < 0:
+            raise ValueError(f"max_microbatch_tokens must be >= 0 (0: no bound), got {self.max_microbatch_tokens}")
         if self.remat is not None:
             remat_policy(self.remat)

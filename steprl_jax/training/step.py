@@ -16,6 +16,7 @@ data shards.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional
 
 import jax
@@ -73,6 +74,21 @@ def _split_microbatches(batch: Batch, m: int) -> Batch:
     return jax.tree.map(split, batch)
 
 
+def microbatch_count(rows: int, length: int, *, num_microbatches: int = 1, max_tokens: int = 0,
+                     data_shards: int = 1) -> int:
+    """How many micro-batches a [rows, length] batch runs as: `num_microbatches`, or with
+    `max_tokens` > 0 the fewest that divide each data shard's rows evenly, are at least
+    `num_microbatches`, and hold at most `max_tokens` padded tokens per shard (one row per shard
+    per micro-batch when even that is more)."""
+    if max_tokens <= 0:
+        return num_microbatches
+    per_shard = rows // data_shards if rows % data_shards == 0 else rows
+    for count in range(num_microbatches, per_shard + 1):
+        if per_shard % count == 0 and (per_shard // count) * length <= max_tokens:
+            return count
+    return max(per_shard, num_microbatches)
+
+
 def make_loss_and_grad(graphdef, cfg: TrainStepConfig, mesh: Optional[Mesh] = None,
                        rules: dict = LOGICAL_AXIS_RULES) -> Callable:
     """fn(params, rest, batch) -> (loss, grads, metric_sums), unjitted (for tests and reuse)."""
@@ -85,15 +101,19 @@ def make_loss_and_grad(graphdef, cfg: TrainStepConfig, mesh: Optional[Mesh] = No
 
     grad_fn = jax.value_and_grad(micro, has_aux=True)
 
+    shards = data_shards(mesh, rules)
+
     def fn(params, rest, batch: Batch):
         if lcfg.kl_coef > 0 and batch.ref_logp is None:
             raise ValueError("kl_coef > 0 needs batch.ref_logp (see make_logprob_fn)")
         mask = batch.loss_mask.astype(jnp.float32).at[:, 0].set(0.0)
         denom = losses.agg_denominator(mask, lcfg.agg, norm=lcfg.norm)
-        if cfg.num_microbatches == 1:
+        count = microbatch_count(*batch.tokens.shape, num_microbatches=cfg.num_microbatches,
+                                 max_tokens=cfg.max_microbatch_tokens, data_shards=shards)
+        if count == 1:
             (total, metrics), grads = grad_fn(params, rest, batch)
         else:
-            mbs = _split_microbatches(batch, cfg.num_microbatches)
+            mbs = _split_microbatches(batch, count)
             first = jax.tree.map(lambda x: x[0], mbs)
             (total, metrics), grads = grad_fn(params, rest, first)
             rest_mbs = jax.tree.map(lambda x: x[1:], mbs)
@@ -110,6 +130,15 @@ def make_loss_and_grad(graphdef, cfg: TrainStepConfig, mesh: Optional[Mesh] = No
         return total * scale, grads, metrics
 
     return fn
+
+
+def data_shards(mesh: Optional[Mesh], rules: dict = LOGICAL_AXIS_RULES) -> int:
+    """How many ways a batch splits over `mesh`'s data axes (1 without a mesh)."""
+    if mesh is None:
+        return 1
+    axes = batch_sharding(mesh, rules).spec[0]
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    return int(math.prod(mesh.shape[a] for a in axes))
 
 
 def _batch_shardings(batch: Batch, mesh: Mesh, rules: dict):
