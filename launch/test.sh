@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS="[test]" . launch/_env.sh
 export JAX_PLATFORMS=cpu
-exec python -m pytest -q -p no:cacheprovider tests "$@"
+exec python -m pytest -q -p no:cacheprovider --durations=15 tests "$@"
