@@ -46,6 +46,8 @@ def get_config(arg=None):
     c.distributed = ConfigDict(dict(mode="auto", coordinator_address="", num_processes=0, process_id=-1,
                                     initialization_timeout_s=300, heartbeat_timeout_s=100, shutdown_timeout_s=300))
     # Low-rank adapters (models/lora.py) for every training job: rank 0 trains every weight.
-    c.lora = ConfigDict(dict(rank=0, alpha=32.0, targets=("q", "k", "v", "o", "gate", "up", "down")))
+    # export_adapters: each exported policy also holds its adapters in PEFT's format (adapters/).
+    c.lora = ConfigDict(dict(rank=0, alpha=32.0, targets=("q", "k", "v", "o", "gate", "up", "down"),
+                             export_adapters=False))
     c.progress = True
     return c

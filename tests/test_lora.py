@@ -1,6 +1,7 @@
 """LoRA: zero-initialised B is the base model exactly; the merged model (and its Hugging Face
 export, loaded back) computes what the adapted one does; training moves the adapters only, with
-the base weights bit-identical; and an online RL job trains adapters end to end."""
+the base weights bit-identical; and an online RL job trains adapters end to end (exported merged,
+and apart in PEFT's format: tests/test_lora_peft.py loads those in peft)."""
 import json
 import os
 
@@ -108,6 +109,7 @@ def test_online_grpo_trains_lora_adapters_end_to_end(tmp_path):
         c = tiny_rl_config(tmp_path, "grpo", server.base_url, iterations=2)
         c.rl.eval.num_tasks = 0
         c.lora.rank = 4
+        c.lora.export_adapters = True  # policy/rl/adapters: the same adapters in PEFT's format
         c.rl.grpo.kl_coef = 0.01  # the reference is the base model (B = 0)
         online.run(c, (tiny_model(tokenizer, seed=7), tokenizer))
     finally:
@@ -122,3 +124,11 @@ def test_online_grpo_trains_lora_adapters_end_to_end(tmp_path):
     base_weights = load_file(os.path.join(original, "model.safetensors"))
     moved = [k for k in exported if not np.array_equal(exported[k], base_weights[k])]
     assert moved and all(any(p in k for p in ("proj",)) for k in moved), moved  # only adapted projections
+    adapters = os.path.join(tmp_path, "policy", "rl", "adapters")
+    with open(os.path.join(adapters, "adapter_config.json")) as f:
+        assert json.load(f)["base_model_name_or_path"] == c.model.source  # what the run started from
+    pairs = load_file(os.path.join(adapters, "adapter_model.safetensors"))
+    for name in ("model.layers.1.self_attn.o_proj", "model.layers.0.mlp.down_proj"):  # base + (alpha / r) B A
+        lora_a, lora_b = (pairs[f"base_model.model.{name}.lora_{x}.weight"] for x in "AB")
+        np.testing.assert_allclose(base_weights[name + ".weight"] + (32.0 / 4) * lora_b @ lora_a,
+                                   exported[name + ".weight"], rtol=0, atol=1e-6)

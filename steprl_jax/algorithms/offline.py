@@ -104,6 +104,12 @@ def lora_fields(config) -> dict:
     return {"lora": None if c is None else {"rank": c.rank, "alpha": c.alpha, "targets": list(c.targets)}}
 
 
+def export_adapters(config) -> bool:
+    """config.lora.export_adapters: export_policy also writes the LoRA adapters in PEFT's format."""
+    c = config.get("lora")
+    return LoraConfig.from_config(c) is not None and bool(c.get("export_adapters", False))
+
+
 def trainable_copy(model, lora_config: Optional[LoraConfig] = None, seed: int = 0):
     """A copy of `model` to train: every parameter, or (with `lora_config`) adapters on a frozen copy."""
     out = copy_model(*split_model(model))
@@ -250,15 +256,19 @@ def _first_and_mean(step_metrics: list[dict]) -> dict:
     return out
 
 
-def export_policy(graphdef, state, tokenizer, out_dir: str) -> Optional[str]:
+def export_policy(graphdef, state, tokenizer, out_dir: str, *, adapters: bool = False,
+                  base_source: Optional[str] = None) -> Optional[str]:
     """The policy in Hugging Face format, written by process 0 (every process must call it:
-    with several, the parameters are gathered first); returns the folder (None elsewhere)."""
+    with several, the parameters are gathered first); returns the folder (None elsewhere).
+    `adapters`: its LoRA adapters also go to out_dir/adapters in PEFT's format, for the base
+    model `base_source` (the load_pretrained source the adapters were trained on)."""
     from steprl_jax.models import export_hf
 
     params, rest = (state.params, state.rest) if jax.process_count() == 1 else \
         distributed.host_copy((state.params, state.rest))
     out = None
-    if distributed.is_primary():  # LoRA adapters merged into the weights
-        out = export_hf(lora.merged(merge_model(graphdef, params, rest)), tokenizer, out_dir, overwrite=True)
+    if distributed.is_primary():  # LoRA adapters merged into the weights (and, with `adapters`, kept apart too)
+        out = export_hf(merge_model(graphdef, params, rest), tokenizer, out_dir, overwrite=True, adapters=adapters,
+                        base_source=base_source)
     distributed.barrier(f"exported {out_dir}")
     return out

@@ -47,8 +47,8 @@ from tqdm import tqdm
 from steprl_jax.agents.records import TreeRecord
 from steprl_jax.agents.tasks import build_suite
 from steprl_jax.agents.tree_batch import judged_tree
-from steprl_jax.algorithms.offline import (copy_model, export_policy, items_at, lora_fields, optimizer_config,
-                                           train_on_rows, trainable_copy)
+from steprl_jax.algorithms.offline import (copy_model, export_adapters, export_policy, items_at, lora_fields,
+                                           optimizer_config, train_on_rows, trainable_copy)
 from steprl_jax.algorithms.rl import Algorithm, get_algorithm
 from steprl_jax.algorithms.tree_rows import LOSS_AGGS, WEIGHTINGS
 from steprl_jax.algorithms.workdir import check_manifest
@@ -155,7 +155,8 @@ def warm_start(config, model, tokenizer):
                                         progress=bool(config.progress), base_source=config.model.source,
                                         mesh_config=config.get("mesh"),
                                         lora_config=LoraConfig.from_config(config.get("lora")))
-        export_policy(graphdef, state, tokenizer, out)
+        export_policy(graphdef, state, tokenizer, out, adapters=export_adapters(config),
+                      base_source=config.model.source)
     return load_pretrained(out, compute_dtype=dtype)[0], out
 
 
@@ -177,6 +178,7 @@ class OnlineLoop:
 
         self.config, self.algorithm, self.tokenizer = config, algorithm, tokenizer
         self.model = model  # the initial policy (KL reference, evaluation's local judge)
+        self.base_source = base_source  # where `model` loads from: the base of exported LoRA adapters
         self.seed = int(config.seed)
         self.rl = config.rl
         self.suite = build_suite(config, split="train")
@@ -279,7 +281,8 @@ class OnlineLoop:
         finally:
             bar.close()
         final = self.evaluate(iterations)
-        export_policy(self.graphdef, self.state, self.tokenizer, _path(self.config, "policy", "rl"))
+        export_policy(self.graphdef, self.state, self.tokenizer, _path(self.config, "policy", "rl"),
+                      adapters=export_adapters(self.config), base_source=self.base_source)
         out = {"algorithm": self.algorithm.name, "iterations": iterations, "last_iteration": summary,
                "eval": {k: final.get("ci", {}).get(k) for k in ("accuracy", "tool_steps", "unanswerable",
                                                                "format_reward")}}

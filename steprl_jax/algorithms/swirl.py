@@ -35,8 +35,8 @@ from steprl_jax import failpoints
 from steprl_jax.agents.records import RecordStore, Trajectory
 from steprl_jax.agents.tasks import build_suite
 from steprl_jax.algorithms import sft as sft_lib
-from steprl_jax.algorithms.offline import (OfflineSpec, export_policy, lora_fields, optimizer_config, train_offline,
-                                           update_key)
+from steprl_jax.algorithms.offline import (OfflineSpec, export_adapters, export_policy, lora_fields, optimizer_config,
+                                           train_offline, update_key)
 from steprl_jax.algorithms.rl import policy_temperature
 from steprl_jax.algorithms.workdir import check_manifest, clear_stage, mark_stage, stage_done
 from steprl_jax.data.units import Unit, read_units, write_units
@@ -424,7 +424,8 @@ def train(config, model, tokenizer) -> dict:
                                     mesh_config=config.get("mesh"), lora_config=LoraConfig.from_config(config.get("lora")))
     trained_steps = int(jax.device_get(state.step))
     if trained_steps:
-        export_policy(graphdef, state, tokenizer, _path(config, "policy", "swirl"))
+        export_policy(graphdef, state, tokenizer, _path(config, "policy", "swirl"), adapters=export_adapters(config),
+                      base_source=config.model.source)
     else:  # every update skipped (e.g. the reward endpoint was down): no policy to call SWiRL
         log.warning("stage 2 trained no update (every sample dropped); policy/swirl not exported")
     out = {"updates": int(t.updates), "train_steps": trained_steps, "units": len(units),
@@ -444,7 +445,8 @@ def sft(config, model, tokenizer) -> dict:
     graphdef, state = train_offline(spec, model, workdir=config.workdir, seed=int(config.seed),
                                     progress=bool(config.progress), base_source=config.model.source,
                                     mesh_config=config.get("mesh"), lora_config=LoraConfig.from_config(config.get("lora")))
-    export_policy(graphdef, state, tokenizer, _path(config, "policy", "sft"))
+    export_policy(graphdef, state, tokenizer, _path(config, "policy", "sft"), adapters=export_adapters(config),
+                  base_source=config.model.source)
     out = {"updates": updates, "trajectories": len(groups)}
     return out
 

@@ -52,6 +52,9 @@ class LoraConfig:
     @classmethod
     def from_config(cls, c) -> "LoraConfig | None":
         """config.lora (rank 0: off)."""
+        if c is not None and c.get("export_adapters", False) and int(c.get("rank", 0)) <= 0:
+            raise ValueError("lora.export_adapters writes LoRA adapters, and lora.rank = 0 trains none: "
+                             "set lora.rank > 0 or lora.export_adapters = False")
         if c is None or int(c.get("rank", 0)) <= 0:
             return None
         return cls(rank=int(c.rank), alpha=float(c.alpha), targets=tuple(c.targets))
