@@ -111,12 +111,11 @@ def run(config, model_and_tokenizer=None) -> dict:
         "task.offset": int(config.task.offset), "seed": int(config.seed), "n": int(config.rollout.tree.n),
         "rollout.max_steps": int(config.rollout.max_steps), "warm_start.source": config.rl.warm_start.source,
         "warm_start.updates": int(config.rl.warm_start.updates), **lora_fields(config)})
-    from steprl_jax.models import load_pretrained
-
-    model, tokenizer = model_and_tokenizer or load_pretrained(config.model.source,
-                                                               compute_dtype=config.model.compute_dtype)
+    # With config.mesh the policy loads straight onto the trainer's mesh (training/distributed.py).
+    model, tokenizer = model_and_tokenizer or distributed.load_policy(config)
     model, source = warm_start(config, model, tokenizer)
     loop = OnlineLoop(config, algorithm, model, tokenizer, base_source=source)
+    del model  # the loop keeps what it needs
     try:
         return loop.run()
     finally:
@@ -127,12 +126,9 @@ def warm_start(config, model, tokenizer):
     """(policy, its load_pretrained source) to start RL from: `rl.warm_start.source` if set; else
     SFT for `rl.warm_start.updates` updates on the tool world's expert demonstrations (exported to
     policy/sft, reused when present); else the model itself."""
-    from steprl_jax.models import load_pretrained
-
     w = config.rl.warm_start
-    dtype = config.model.compute_dtype
     if w.source:
-        return load_pretrained(w.source, compute_dtype=dtype)[0], w.source
+        return distributed.load_policy(config, w.source)[0], w.source
     if int(w.updates) <= 0:
         return model, config.model.source
     out = _path(config, "policy", "sft")
@@ -157,7 +153,7 @@ def warm_start(config, model, tokenizer):
                                         lora_config=LoraConfig.from_config(config.get("lora")))
         export_policy(graphdef, state, tokenizer, out, adapters=export_adapters(config),
                       base_source=config.model.source)
-    return load_pretrained(out, compute_dtype=dtype)[0], out
+    return distributed.load_policy(config, out)[0], out
 
 
 @dataclasses.dataclass
@@ -177,18 +173,21 @@ class OnlineLoop:
         from steprl_jax.sampling import Sampler
 
         self.config, self.algorithm, self.tokenizer = config, algorithm, tokenizer
-        self.model = model  # the initial policy (KL reference, evaluation's local judge)
         self.base_source = base_source  # where `model` loads from: the base of exported LoRA adapters
         self.seed = int(config.seed)
         self.rl = config.rl
         self.suite = build_suite(config, split="train")
         self.tasks = {t.id: t for t in self.suite.tasks}
-        self.judging = Judging.from_config(config, outcome_rule=self.suite.outcome_rule, local_model=(model, tokenizer))
-        # The trainer on the global mesh (None: one device); each process samples on its own
-        # devices, the parameters moved there by the bridge (training/distributed.py).
+        # The trainer on the global mesh (None: one device; `model` may live on it); each process
+        # samples on its own devices, the parameters moved there by the bridge (training/distributed.py).
         self.mesh = distributed.train_mesh(config.get("mesh"))
-        self.bridge = distributed.SamplerBridge(config.get("mesh")) if self.mesh is not None else None
-        self.sampler = Sampler(model, tokenizer, max_context=int(config.rollout.max_context),
+        self.bridge = distributed.sampler_bridge(config.get("mesh"))
+        # The initial policy where this process samples: the sampler's first parameters, the local
+        # judge's model (here and in evaluation); `model` itself without a mesh.
+        self.model = distributed.sampling_copy(model, self.bridge)
+        self.judging = Judging.from_config(config, outcome_rule=self.suite.outcome_rule,
+                                           local_model=(self.model, tokenizer))
+        self.sampler = Sampler(self.model, tokenizer, max_context=int(config.rollout.max_context),
                                mesh=distributed.sampler_mesh(config.get("mesh")))
         self.engine = RolloutEngine(self.sampler, tokenizer, self.suite.env,
                                     dataclasses.replace(rollout_config(config), with_entropy=True), seed=self.seed)

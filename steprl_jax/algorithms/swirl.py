@@ -102,10 +102,9 @@ def run(config, model_and_tokenizer=None) -> dict:
         "task.offset": int(config.task.offset), "seed": int(config.seed),
         "swirl.samples_per_question": int(config.swirl.samples_per_question),
         "rollout.max_steps": int(config.rollout.max_steps), **lora_fields(config)})
-    from steprl_jax.models import load_pretrained
-
-    model, tokenizer = model_and_tokenizer or load_pretrained(config.model.source,
-                                                               compute_dtype=config.model.compute_dtype)
+    # With config.mesh the policy loads straight onto the trainer's mesh (training/distributed.py);
+    # the stages that sample take a copy where this process samples (`_sampling_copy`).
+    model, tokenizer = model_and_tokenizer or distributed.load_policy(config)
     summary = {}
     for stage in stages:
         done = stage_done(config.workdir, stage)
@@ -124,6 +123,12 @@ def run(config, model_and_tokenizer=None) -> dict:
         summary[stage] = result
         log.info("stage %s done in %.1f s", stage, time.perf_counter() - t0)
     return summary
+
+
+def _sampling_copy(config, model):
+    """The policy where this process samples (`distributed.sampling_copy`): `model` itself without
+    a trainer mesh. With several processes every process must call it."""
+    return distributed.sampling_copy(model, distributed.sampler_bridge(config.get("mesh")))
 
 
 def _stage_key(config, stage: str) -> dict:
@@ -159,7 +164,7 @@ def collect(config, model, tokenizer) -> dict:
     # samples for the missing episodes exactly what an uninterrupted run would have.
     todo = [(i, episode) for i, episode in enumerate(episodes) if episode[0] not in done]
     if todo:
-        sampler = Sampler(model, tokenizer, max_context=int(config.rollout.max_context))
+        sampler = Sampler(_sampling_copy(config, model), tokenizer, max_context=int(config.rollout.max_context))
         engine = RolloutEngine(sampler, tokenizer, suite.env, rollout_config(config), seed=int(config.seed))
         bar = tqdm(total=len(todo), desc="collect", disable=not config.progress)
         try:
@@ -185,6 +190,8 @@ def judge(config, model, tokenizer) -> dict:
         raise FileNotFoundError(f"{source}: no trajectories; run the 'collect' stage first")
     suite = build_suite(config, split="train")
     tasks = {t.id: t for t in suite.tasks}
+    if "local" in (config.judge.outcome.kind, config.judge.process.kind):  # a judge that samples from the policy
+        model = _sampling_copy(config, model)
     judging = Judging.from_config(config, outcome_rule=suite.outcome_rule, local_model=(model, tokenizer))
     out_store = RecordStore(_path(config, "judged.jsonl"))
     done = out_store.done_ids()
@@ -400,9 +407,10 @@ def train(config, model, tokenizer) -> dict:
     units = read_units(units_path(config))
     check_manifest(config.workdir, {"swirl.filter": config.swirl.filter, "swirl.granularity": config.swirl.granularity})
     suite = build_suite(config, split="train")  # for the stop strings only; no tool is called
-    sampler = Sampler(model, tokenizer, max_context=int(config.rollout.max_context),
+    local = _sampling_copy(config, model)  # the sampler's first parameters, a local reward model's
+    sampler = Sampler(local, tokenizer, max_context=int(config.rollout.max_context),
                       mesh=distributed.sampler_mesh(config.get("mesh")))
-    reward_model = build_reward_model(dict(config.reward), local_model=(model, tokenizer),
+    reward_model = build_reward_model(dict(config.reward), local_model=(local, tokenizer),
                                       cache_dir=config.judge.cache_dir or None)
     builder = Stage2Builder(config, sampler, tokenizer, reward_model, suite.env.stop_strings)
     steps = int(t.updates) * int(t.ppo_epochs) * int(t.minibatches)
@@ -456,7 +464,6 @@ def evaluate_policies(config, model, tokenizer) -> dict:
     """Held-out questions with the live tool loop for base, SFT and SWiRL (those exported)."""
     from steprl_jax.algorithms.report import write_comparison
     from steprl_jax.evaluation.runner import evaluate
-    from steprl_jax.models import load_pretrained
 
     eval_config = config.copy_and_resolve_references()
     with eval_config.unlocked():
@@ -472,7 +479,9 @@ def evaluate_policies(config, model, tokenizer) -> dict:
             with open(out, encoding="utf-8") as f:
                 results[name] = json.load(f)
             continue
-        policy = (model, tokenizer) if source is None else load_pretrained(source, compute_dtype=config.model.compute_dtype)
+        # where evaluation samples: a copy of the base; the exports loaded straight there
+        policy = (_sampling_copy(config, model), tokenizer) if source is None else \
+            distributed.load_policy(config, source, sampling=True)
         metrics = evaluate(eval_config, policy, split="test", out_dir=_path(config, "eval"), name=f"{name}.",
                            plot=False)
         write_json_atomic(out, metrics)

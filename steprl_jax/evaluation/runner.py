@@ -33,18 +33,20 @@ def evaluate(config, model_and_tokenizer=None, *, split: Optional[str] = None, o
              name: str = "", sampler=None, plot: bool = True) -> dict:
     """Run the configured evaluation; returns its metrics.
 
-    `model_and_tokenizer` skips loading `config.model.source`; `split` picks the task split
+    `model_and_tokenizer` skips loading `config.model.source` (its model where this process samples:
+    `distributed.sampling_copy` of a policy on the trainer's mesh); `split` picks the task split
     (`agents.tasks.split_config`); records, metrics and the plot go to `out_dir` (default the
     workdir) as `{name}trajectories.jsonl`, `{name}metrics.json`, `{name}summary.png`; `sampler`
     reuses a sampler (e.g. one that already holds a trained policy's parameters)."""
-    from steprl_jax.models import load_pretrained
     from steprl_jax.sampling import Sampler
+    from steprl_jax.training import distributed
 
     out_dir = out_dir or config.workdir
     os.makedirs(out_dir, exist_ok=True)
     suite = build_suite(config, split=split)
     if model_and_tokenizer is None:
-        model_and_tokenizer = load_pretrained(config.model.source, compute_dtype=config.model.compute_dtype)
+        # with config.mesh: straight onto this process's sampling devices (config.mesh.sampler)
+        model_and_tokenizer = distributed.load_policy(config, sampling=True)
     model, tokenizer = model_and_tokenizer
     if sampler is None:
         sampler = Sampler(model, tokenizer, max_context=int(config.rollout.max_context))

@@ -4,6 +4,8 @@ and parameters between processes.
     distributed.initialize(config.distributed)        # first, before anything touches a device
     mesh = distributed.train_mesh(config.mesh)        # None: one device, no mesh (the default)
     bridge = distributed.SamplerBridge(config.mesh)
+    model, tokenizer = distributed.load_policy(config)  # straight onto the trainer's mesh (if any)
+    local = distributed.sampling_copy(model, distributed.sampler_bridge(config.mesh))  # for the sampler
 
 Every process runs the same program (`jax.distributed`; TPU pods, multi-GPU hosts, local CPU
 processes over 127.0.0.1). The trainer's state lives on the global mesh; each process samples on
@@ -236,3 +238,39 @@ def put_global(tree, sharding_of):
     leaf's sharding. None leaves stay None."""
     return jax.tree.map(lambda x: None if x is None else jax.device_put(x, sharding_of(x)), tree)
 
+
+# ----------------------------------------------------------------------------- the policy
+def load_policy(config, source: Optional[str] = None, *, sampling: bool = False):
+    """`(model, tokenizer)` of `source` (default config.model.source) in config.model.compute_dtype.
+
+    With a trainer mesh (`train_mesh(config.mesh)`) every tensor goes from the file straight to
+    its shards on that mesh (every process reads the file and places its own shards), never whole
+    on one device; `sampling=True` places it instead where this process samples (config.mesh.sampler
+    over its own devices, as `sampling_copy` would), for a job that only samples. Without a trainer
+    mesh: `load_pretrained` as ever, the whole model on the default device.
+    """
+    from steprl_jax.models import load_pretrained
+
+    mesh_config = config.get("mesh")
+    mesh = train_mesh(mesh_config)
+    if mesh is not None and sampling:
+        mesh = mesh_of((mesh_config or {}).get("sampler", {}), jax.local_devices(), "config.mesh.sampler")
+    return load_pretrained(source or config.model.source, compute_dtype=config.model.compute_dtype, mesh=mesh)
+
+
+def sampler_bridge(mesh_config) -> Optional[SamplerBridge]:
+    """The bridge from the trainer's mesh to this process's sampler (None without a trainer mesh)."""
+    return SamplerBridge(mesh_config) if train_mesh(mesh_config) is not None else None
+
+
+def sampling_copy(model, bridge: Optional[SamplerBridge]):
+    """`model` placed where this process samples with it (its Sampler, a local judge or reward
+    model): without a bridge (no trainer mesh) the model itself; else a copy moved by `bridge` from
+    the trainer's mesh, the path of every later parameter push. With several processes every
+    process must call it (the move is one collective)."""
+    if bridge is None:
+        return model
+    from flax import nnx
+
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, bridge(state))
