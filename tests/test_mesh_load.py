@@ -128,6 +128,17 @@ def test_a_swirl_run_with_a_mesh_runs_and_collects_what_one_device_collects(fold
     for name, array in _arrays(exported).items():
         assert _arrays(restored)[name].sharding == expected[name], name
         np.testing.assert_array_equal(np.asarray(_arrays(restored)[name]), np.asarray(array), err_msg=name)
+    # orbax reads each saved tensor straight onto the shards of the parameter it replaces
+    from steprl_jax.models import orbax_policy
+
+    base, _ = distributed.load_policy(meshed)
+    direct = orbax_policy.restore_params(base, os.path.join(meshed.workdir, "checkpoints", "swirl"))
+    for name, array in _arrays(direct).items():
+        assert isinstance(array, jax.Array) and array.sharding == expected[name], name
+    plain, _ = load_pretrained(os.path.join(meshed.workdir, "checkpoints", "swirl"))  # no mesh: one device
+    for name, array in _arrays(exported).items():
+        assert isinstance(_arrays(plain)[name].sharding, SingleDeviceSharding), name
+        np.testing.assert_array_equal(np.asarray(_arrays(plain)[name]), np.asarray(array), err_msg=name)
 
     def steps(workdir):
         records = sorted(RecordStore(os.path.join(workdir, "trajectories.jsonl")).load(), key=lambda r: r.id)

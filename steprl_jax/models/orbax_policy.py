@@ -45,11 +45,23 @@ def restore_params(model, directory: str, step: Optional[int] = None):
     path = os.path.join(directory, str(step), "state")
     checkpointer = ocp.PyTreeCheckpointer()
     saved = checkpointer.metadata(path).item_metadata.tree["params"]
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    current = nnx.to_pure_dict(params)
+
+    def restore_arg(path, _):
+        # Each saved tensor read straight onto the shards of the parameter it replaces (the base
+        # was loaded onto the trainer's mesh): never whole on one host or device.
+        node = current
+        for key in path[:-1]:  # the last key is the saved variable's "value"
+            node = node.get(getattr(key, "key", None)) if isinstance(node, dict) else None
+        if isinstance(node, jax.Array):
+            return ocp.ArrayRestoreArgs(sharding=node.sharding)
+        return ocp.RestoreArgs(restore_type=np.ndarray)
+
     target = {"params": jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), saved)}
-    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
+    restore_args = {"params": jax.tree_util.tree_map_with_path(restore_arg, target["params"])}
     out = checkpointer.restore(path, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args,
                                                                   partial_restore=True))
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     # Saved as {"value": array} per variable; replace_by_pure_dict takes the arrays themselves.
     pure = jax.tree.map(lambda d: d["value"], out["params"], is_leaf=lambda x: isinstance(x, dict) and set(x) == {"value"})
     nnx.replace_by_pure_dict(params, pure)
