@@ -68,7 +68,8 @@ def load_pretrained(source: str, dtype=None, compute_dtype: Optional[str] = None
     from steprl_jax.models import orbax_policy
 
     if os.path.isdir(source) and orbax_policy.is_orbax_policy(source):  # a training run's checkpoints
-        # the base straight onto the mesh too; the checkpoint's host arrays then go to their shards
+        # the base straight onto the mesh, then each saved tensor onto its parameter's shards
+        # (orbax_policy.restore_params); shard_model places what has no base counterpart (adapters)
         model, tokenizer = orbax_policy.load_orbax_policy(source, load_pretrained, dtype=dtype,
                                                           compute_dtype=compute_dtype, mesh=mesh)
         if mesh is not None:
