@@ -138,6 +138,7 @@ def ours(a, dtype: str, qs: list[str]) -> dict:
                                      lr_schedule, make_optimizer, make_train_step)
     from steprl_jax.training.pack import Row, Span
     from steprl_jax.training.state import split_model
+    from steprl_jax.training.step import microbatch_count
 
     Q, G, T = a.queries, a.samples, a.max_new_tokens
     t0 = time.perf_counter()
@@ -151,7 +152,8 @@ def ours(a, dtype: str, qs: list[str]) -> dict:
     tx = make_optimizer(opt)
     graphdef, state, _ = create_train_state(copy_model(*split_model(model)), tx, seed=a.seed)
     loss = LossConfig(kind="policy", agg="token_mean", eps_low=0.2, eps_high=0.2, kl_coef=0.0, temperature=1.0)
-    step_fn = make_train_step(graphdef, tx, TrainStepConfig(loss=loss, num_microbatches=a.microbatches),
+    step_fn = make_train_step(graphdef, tx, TrainStepConfig(loss=loss, num_microbatches=a.microbatches,
+                                                            max_microbatch_tokens=a.max_microbatch_tokens),
                               schedule=lr_schedule(opt))
     del model
     params = SamplingParams(temperature=1.0)
@@ -190,6 +192,9 @@ def ours(a, dtype: str, qs: list[str]) -> dict:
                "loss": m["loss"], "grad_norm": m["grad_norm"], "ratio": m["ratio"], "clipfrac": m["clipfrac"],
                "padded_tokens": m["padded_tokens"], "attended_tokens": m["tokens"],
                "train_shape": [int(m["padded_tokens"] // m["row_length"]), int(m["row_length"])],
+               "microbatches": microbatch_count(int(m["padded_tokens"] // m["row_length"]), int(m["row_length"]),
+                                                num_microbatches=a.microbatches,
+                                                max_tokens=a.max_microbatch_tokens),
                "loss_tokens": m["trained_tokens"],
                "compiled": (sampler.num_compiled - compiled[0]) + (step_fn._cache_size() - compiled[1])}
         records.append(rec)
@@ -465,7 +470,9 @@ def report_grpo(a, host: dict, qs: list[str], results: list[dict]) -> dict:
         print(f"ours {r['dtype']}: first update ratio {f['ratio']:.6f}, clip fraction {f['clipfrac']:.4f}; "
               f"programs compiled in the timed iterations: {r['compiled_in_timed']}; warm-up iteration "
               f"{r['iterations'][0]['iteration_s']:.1f} s; train batch {r['iterations'][-1]['train_shape']} (rows x "
-              f"length, attention_length {a.attention_length:g}): {int(r['iterations'][-1]['padded_tokens'])} padded / "
+              f"length, attention_length {a.attention_length:g}) in {r['iterations'][-1]['microbatches']} "
+              f"micro-batches (max_microbatch_tokens {a.max_microbatch_tokens}): "
+              f"{int(r['iterations'][-1]['padded_tokens'])} padded / "
               f"{int(r['iterations'][-1]['attended_tokens'])} attended tokens")
     for t in theirs:
         print(f"TRL {t['dtype']}: warm-up step {t['steps_s'][0]:.1f} s; child process wall {t['wall_s']:.0f} s")
@@ -655,6 +662,9 @@ def main(argv=None):
     p.add_argument("--trl-dtypes", type=_dtypes, default=None,
                    help="TRL dtypes to run, '' for none (default float32,bfloat16; --quick: float32)")
     p.add_argument("--microbatches", type=int, default=1, help="our train step's micro-batches (rl config: 1)")
+    p.add_argument("--max-microbatch-tokens", type=int, default=None,
+                   help="padded tokens per micro-batch: more micro-batches when the batch holds more "
+                        "(default: configs/rl.py MAX_MICROBATCH_TOKENS; 0: exactly --microbatches)")
     p.add_argument("--attention-length", type=float, default=None,
                    help="our row layout's attention cost (configs/rl.py attention_length; 0: every query's "
                         "completions packed behind its prompt in one row)")
@@ -678,6 +688,10 @@ def main(argv=None):
         from configs.rl import ATTENTION_LENGTH
 
         a.attention_length = ATTENTION_LENGTH
+    if a.max_microbatch_tokens is None:
+        from configs.rl import MAX_MICROBATCH_TOKENS
+
+        a.max_microbatch_tokens = MAX_MICROBATCH_TOKENS
     default = ["float32"] if a.quick else ["float32", "bfloat16"]
     a.ours_dtypes = default if a.ours_dtypes is None else a.ours_dtypes
     a.trl_dtypes = default if a.trl_dtypes is None else a.trl_dtypes
