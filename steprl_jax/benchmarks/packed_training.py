@@ -16,8 +16,9 @@ qkvo_saveable) on the same loss tokens in two layouts, in the same process:
 
 The unpacked layout is `pack.regroup(rows, 0)` of the packed one, so both train the same tokens
 with the same weights, advantages and context; the benchmark checks that their losses agree.
-Token ids are random (the cost of a step does not depend on them). Micro-batches: `--microbatches`
-for packed, and as many for unpacked as keep the same rows per micro-batch. The layouts run
+Token ids are random (the cost of a step does not depend on them). Micro-batches: at least `--microbatches`
+for packed and as many for unpacked as keep the same rows per micro-batch, more where a batch
+holds more than `--max-microbatch-tokens` (the RL config's bound, the same for both). The layouts run
 alternately, after one compiling step each on a throwaway copy of the state, and every timed
 step starts from the same parameters. Printed with the host's measured matmul and bandwidth
 rates and each layout's share of the matmul roofline (model FLOPs of the padded batch).
@@ -117,6 +118,7 @@ def run_case(name, a, model, graphdef, state, opt, rates) -> dict:
     from steprl_jax.benchmarks.train_step import model_flops
     from steprl_jax.training import LossConfig, TrainStepConfig, lr_schedule, make_optimizer, make_train_step
     from steprl_jax.training.pack import pack, regroup
+    from steprl_jax.training.step import microbatch_count
 
     rng = np.random.default_rng(a.seed)
     rows = swirl_rows(a, rng) if name == "swirl" else portool_rows(a, rng)
@@ -127,8 +129,13 @@ def run_case(name, a, model, graphdef, state, opt, rates) -> dict:
                "unpacked": pack(flat, num_microbatches=micro["unpacked"])}
     tx = make_optimizer(opt)
     loss = LossConfig(kind="policy", agg="token_mean", eps_low=0.2, eps_high=0.2, kl_coef=0.0)
-    steps = {k: make_train_step(graphdef, tx, TrainStepConfig(loss=loss, num_microbatches=m), schedule=lr_schedule(opt))
+    steps = {k: make_train_step(graphdef, tx, TrainStepConfig(loss=loss, num_microbatches=m,
+                                                              max_microbatch_tokens=a.max_microbatch_tokens),
+                                schedule=lr_schedule(opt))
              for k, m in micro.items()}
+    # The micro-batches each step really runs: at least `micro`, more where the token bound needs them.
+    micro = {k: microbatch_count(*b.tokens.shape, num_microbatches=micro[k], max_tokens=a.max_microbatch_tokens)
+             for k, b in batches.items()}
     copy = lambda: jax.tree.map(jnp.copy, state)
     out = {"case": name, "microbatches": micro, "layouts": {k: layout(b, samples) for k, b in batches.items()},
            "times_s": {k: [] for k in batches}, "loss": {}}
@@ -162,7 +169,10 @@ def run_case(name, a, model, graphdef, state, opt, rates) -> dict:
 def report(results, rates, bandwidth, a):
     from steprl_jax.benchmarks.host import describe
 
-    print(f"host: {describe(rates, bandwidth)}; compute dtype {a.compute_dtype}")
+    print(f"host: {describe(rates, bandwidth)}; compute dtype {a.compute_dtype}; micro-batches of at most "
+          f"{a.max_microbatch_tokens} padded tokens: " + ", ".join(
+              f"{r['case']} packed {r['microbatches']['packed']} / unpacked {r['microbatches']['unpacked']}"
+              for r in results))
     print()
     print("| case | layout | rows x length | tokens / sample | padded / sample | loss tokens | step s (median) "
           "| samples/s | roofline share |")
@@ -195,6 +205,9 @@ def main(argv=None):
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--observation-tokens", type=int, default=32)
     p.add_argument("--microbatches", type=int, default=1)
+    p.add_argument("--max-microbatch-tokens", type=int, default=None,
+                   help="padded tokens per micro-batch for both layouts, more micro-batches where a batch holds "
+                        "more (default: configs/rl.py MAX_MICROBATCH_TOKENS; 0: exactly --microbatches)")
     p.add_argument("--steps-timed", type=int, default=2, help="timed steps per layout")
     p.add_argument("--compute-dtype", default="bfloat16", choices=("float32", "bfloat16"))
     p.add_argument("--seed", type=int, default=0)
@@ -203,6 +216,10 @@ def main(argv=None):
     if a.quick:
         a.states, a.state_tokens, a.group, a.action_tokens = 2, 64, 4, 8
         a.queries, a.n, a.steps, a.prompt_tokens, a.observation_tokens, a.steps_timed = 1, 4, 3, 32, 8, 1
+    if a.max_microbatch_tokens is None:
+        from configs.rl import MAX_MICROBATCH_TOKENS
+
+        a.max_microbatch_tokens = MAX_MICROBATCH_TOKENS
     cases = [c for c in a.case.split(",") if c]
     bad = [c for c in cases if c not in TARGETS]
     if bad:

@@ -37,9 +37,11 @@ T-th is the last) with `max_completion_length=T`. Both sides' completion lengths
   that times `_generate`, `_calculate_rewards` and `_generate_and_score_completions` (train =
   the rest of the step: loss forward, backward, optimizer), on the model exported once with
   `models.export_hf`. Torch threads (`--torch-threads`,
-  default auto): the faster of all the cores this process may use and 1, by a short generation
-  probe (`torch_threads`): on a machine whose cores other work shares, torch's full OpenMP pool
-  can be many times slower than one thread.
+  default auto): the faster of all the cores this process may use and 1, by a probe shaped like
+  the iteration (`torch_threads`: a generation as wide as the batch, then one training
+  micro-batch): on a machine whose cores other work shares, torch's full OpenMP pool can be many
+  times slower than one thread, and on an idle one a probe of a few small rows picks 1 thread
+  where the iteration runs faster with all.
 
 Each side runs at each dtype of `--ours-dtypes` / `--trl-dtypes`: ours float32 or bfloat16
 compute (float32 parameters, bf16 matmul operands with float32 accumulation); TRL float32, or
@@ -225,13 +227,14 @@ def trl_child(spec: dict) -> dict:
     Q, G, T, M = spec["queries"], spec["samples"], spec["max_new_tokens"], spec["microbatches"]
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.bfloat16 if bf16 else torch.float32)
-    threads, probe = spec["threads"], {}
-    if threads == "auto":
-        threads, probe = torch_threads(model, tokenizer, cores())
-    torch.set_num_threads(int(threads))
     conversations = [[{"role": "user", "content": q}] for q in spec["questions"]]
     prompt_ids = tokenizer.apply_chat_template(conversation=conversations, add_generation_prompt=True,
                                                tokenize=True, return_dict=True)["input_ids"]
+    threads, probe = spec["threads"], {}
+    if threads == "auto":
+        threads, probe = torch_threads(model, tokenizer, cores(), rows=Q * G, train_rows=Q * G // M,
+                                       train_length=max(map(len, prompt_ids)) + T)
+    torch.set_num_threads(int(threads))
     dataset = datasets.Dataset.from_list([{"prompt": c} for c in conversations])
 
     def reward(completions, **kwargs):
@@ -294,24 +297,33 @@ def trl_child(spec: dict) -> dict:
     return out
 
 
-def torch_threads(model, tokenizer, n_cores: int) -> tuple[int, dict]:
-    """The faster torch thread count, `n_cores` or 1, by timing a short sampled generation (4 rows,
-    8 new tokens) at each. On a machine whose cores are shared with other work, every core in
-    torch's OpenMP pool can be many times slower than one thread (a 4 x 16 generate here took
-    26-44 s with 2 threads and 1.8 s with 1 while another process kept ~1.2 cores busy)."""
+def torch_threads(model, tokenizer, n_cores: int, *, rows: int = 64, train_rows: int = 16,
+                  train_length: int = 192) -> tuple[int, dict]:
+    """The faster torch thread count, `n_cores` or 1, by timing a probe shaped like the iteration
+    at each: a sampled generation of `rows` rows x 8 new tokens, then a forward + backward of
+    `train_rows` x `train_length` tokens (one gradient-accumulation micro-batch). On a machine
+    whose cores are shared with other work, every core in torch's OpenMP pool can be many times
+    slower than one thread (a 4 x 16 generate here took 26-44 s with 2 threads and 1.8 s with 1
+    while another process kept ~1.2 cores busy); on an idle one a probe of a few small rows
+    favours 1 thread (0.67 against 0.72 s) while the iteration runs ~1.4x faster with 2."""
     import torch
 
-    ids = tokenizer(["Count the apples in the basket, then the pears."] * 4, return_tensors="pt")
+    ids = tokenizer(["Count the apples in the basket, then the pears."] * rows, return_tensors="pt")
+    train_ids = torch.randint(0, len(tokenizer), (train_rows, train_length))
     times = {}
     for n in sorted({n_cores, 1}, reverse=True):
         torch.set_num_threads(n)
         with torch.no_grad():
             model(**ids)  # warm-up
-            t0 = time.perf_counter()
+        t0 = time.perf_counter()
+        with torch.no_grad():
             model.generate(**ids, max_new_tokens=8, min_new_tokens=8, do_sample=True,
                            pad_token_id=tokenizer.pad_token_id)
+        model(input_ids=train_ids, labels=train_ids).loss.backward()
+        model.zero_grad(set_to_none=True)
         times[str(n)] = time.perf_counter() - t0
-        print(f"torch threads {n}: probe generation {times[str(n)]:.2f} s", file=sys.stderr, flush=True)
+        print(f"torch threads {n}: probe (generation + a training micro-batch) {times[str(n)]:.2f} s",
+              file=sys.stderr, flush=True)
     return int(min(times, key=times.get)), times
 
 
