@@ -547,7 +547,7 @@ def portool_records(a) -> dict:
                     result = loop.collect(it, cursor)
                     again = _generated_ids(result.trees) == first
                 cursor = result.cursor
-                metrics = batch_metrics(result, loop.engine.stats.generated_tokens)
+                metrics = batch_metrics(result)
                 shape_compile_s = _warm_train_shape(loop, result.kept, shapes, compile_new=bool(it))
                 compiled = (compiled[0], loop.step_fn._cache_size())
                 t1 = time.perf_counter()
