@@ -542,3 +542,34 @@ def test_insert_with_a_kept_prefix_equals_a_plain_insert(model, sampler):
     for gens in results[1:]:
         assert [g.tokens.tolist() for g in gens] == [g.tokens.tolist() for g in results[0]]
         np.testing.assert_allclose(gens[0].logprobs, results[0][0].logprobs, atol=1e-5)
+
+
+@pytest.mark.parametrize("block", [256, 7])
+def test_drawn_tokens_follow_the_softmax_and_never_a_cut_candidate(block):
+    """`draw_tokens` (inverse CDF, one uniform per row) against softmax(z): 200,000 draws of one
+    row; every candidate's count within 5 standard deviations of its expectation, no draw of a
+    -inf candidate (first, last, and whole blocks of them included)."""
+    from steprl_jax.sampling.sampler import draw_tokens
+
+    rng = np.random.default_rng(0)
+    C, draws = 1000, 200_000
+    z = rng.normal(0.0, 2.0, C).astype(np.float32)
+    cut = np.zeros(C, bool)
+    cut[[0, 1, C - 1]] = True
+    cut[300:520] = True  # whole blocks at either size
+    cut[rng.choice(C, 100, replace=False)] = True
+    z[cut] = -np.inf
+    p = np.exp(z - z[~cut].max())
+    p /= p.sum()
+    keys = jax.random.split(jax.random.PRNGKey(3), draws)
+    tokens = np.asarray(jax.jit(draw_tokens, static_argnums=2)(keys, jnp.broadcast_to(jnp.asarray(z), (draws, C)),
+                                                               block))
+    assert not cut[tokens].any()
+    counts = np.bincount(tokens, minlength=C)
+    expected = draws * p
+    sigma = np.sqrt(draws * p * (1 - p))
+    assert np.all(np.abs(counts - expected) <= 5 * sigma + 1), np.max(np.abs(counts - expected) / (sigma + 1e-9))
+    # a single positive candidate is always drawn; a peaked row too
+    one = np.full((4, C), -np.inf, np.float32)
+    one[np.arange(4), [0, 255, 256, C - 1]] = 0.0
+    assert np.asarray(draw_tokens(keys[:4], jnp.asarray(one), block)).tolist() == [0, 255, 256, C - 1]

@@ -193,6 +193,50 @@ def _filter_logits(program: DecodeProgram, z_bv, top_p):
     return z_bc, ids_bc
 
 
+# Vocabulary block of the two-level inverse-CDF draw (`draw_tokens`).
+DRAW_BLOCK = 256
+
+
+def draw_tokens(keys_b, z_bc, block: int = DRAW_BLOCK):
+    """One token per row from softmax(z_bc) [B, C], by inverse-CDF sampling: one uniform u per
+    row (its key), then the first candidate whose cumulative probability exceeds u * total.
+
+    Why not `jax.random.categorical`: its Gumbel-max draws C random numbers and two logs per
+    row and step; for SmolLM2's 49,152-token vocabulary at 64 rows that took 47 ms of a ~120 ms
+    decode step on a 2-core CPU, this ~5 ms. Same distribution (FlashInfer's sampler draws the
+    same way); other tokens for a given key than `categorical`.
+
+    Two levels keep float32 cumulative sums short: the blocks' masses first, then the tokens of
+    the chosen block (`block` at a time). Candidates with probability 0 (top-k / top-p cut,
+    -inf logits) are never drawn, rounding included: the index is clipped to the first and last
+    positive candidate of the row and of the chosen block.
+    """
+    B, C = z_bc.shape
+    p_bc = jnp.exp(z_bc - jnp.max(z_bc, axis=-1, keepdims=True))
+    n = -(-C // block)
+    p_bnk = jnp.pad(p_bc, ((0, 0), (0, n * block - C))).reshape(B, n, block)
+
+    def pick(weights_bw, target_b):
+        """Index of the first weight whose running sum exceeds target, clipped to the positive ones."""
+        cum_bw = jnp.cumsum(weights_bw, axis=-1)
+        idx = jnp.sum(cum_bw <= target_b[:, None], axis=-1)
+        w = jnp.arange(weights_bw.shape[1])
+        positive = weights_bw > 0
+        first = jnp.min(jnp.where(positive, w, weights_bw.shape[1]), axis=-1)
+        last = jnp.max(jnp.where(positive, w, -1), axis=-1)
+        idx = jnp.clip(idx, first, last)
+        before = jnp.take_along_axis(cum_bw, idx[:, None], axis=1)[:, 0] - jnp.take_along_axis(
+            weights_bw, idx[:, None], axis=1)[:, 0]
+        return idx, before
+
+    mass_bn = jnp.sum(p_bnk, axis=-1)
+    u_b = jax.vmap(jax.random.uniform)(keys_b) * jnp.sum(mass_bn, axis=-1)
+    blk_b, before_b = pick(mass_bn, u_b)
+    inner_bk = jnp.take_along_axis(p_bnk, blk_b[:, None, None], axis=1)[:, 0]
+    tok_b, _ = pick(inner_bk, u_b - before_b)
+    return (blk_b * block + tok_b).astype(jnp.int32)
+
+
 def _decode_impl(graphdef, constrain, params, layer_params, unembed_vd, cache, last_b, length_b, max_new_b, keys_b,
                  n0_b, auto0_b, limit, return_on_finish, temperature, top_p, stop_table, *, program: DecodeProgram):
     """Decode until every row is done, or `limit` steps, or (`return_on_finish`) a row finishes.
@@ -226,7 +270,7 @@ def _decode_impl(graphdef, constrain, params, layer_params, unembed_vd, cache, l
         else:
             step_keys = jax.vmap(jax.random.fold_in)(keys_b, c["n"])
             z_bc, ids_bc = _filter_logits(program, z_bv, top_p)
-            choice_b = jax.vmap(jax.random.categorical)(step_keys, z_bc).astype(jnp.int32)
+            choice_b = draw_tokens(step_keys, z_bc)
             new_b = choice_b if ids_bc is None else jnp.take_along_axis(ids_bc, choice_b[:, None], 1)[:, 0]
         lp_b, ent_b = stats_from_scaled_logits(z_bv, new_b, program.with_entropy)
         rows = jnp.arange(B)
