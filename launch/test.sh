@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The project's test command (README quick start): sets up .venv with the test
-# extra if needed, then runs pytest on CPU JAX with 8 virtual devices.
+# extra if needed, then runs pytest on CPU JAX with 8 virtual devices, in TEST_WORKERS
+# processes (pytest-xdist, default 2; each file stays on one worker so its fixtures load once).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS="[test]" . launch/_env.sh
 export JAX_PLATFORMS=cpu
-exec python -m pytest -q -p no:cacheprovider --durations=15 tests "$@"
+exec python -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-2}" --dist loadfile --durations=15 tests "$@"
