@@ -569,7 +569,7 @@ def test_drawn_tokens_follow_the_softmax_and_never_a_cut_candidate(block):
     expected = draws * p
     sigma = np.sqrt(draws * p * (1 - p))
     assert np.all(np.abs(counts - expected) <= 5 * sigma + 1), np.max(np.abs(counts - expected) / (sigma + 1e-9))
-    # a single positive candidate is always drawn; a peaked row too
+    # a row with a single positive candidate always draws it, at a block's edges too
     one = np.full((4, C), -np.inf, np.float32)
     one[np.arange(4), [0, 255, 256, C - 1]] = 0.0
     assert np.asarray(draw_tokens(keys[:4], jnp.asarray(one), block)).tolist() == [0, 255, 256, C - 1]

@@ -187,15 +187,15 @@ def ours(a, dtype: str, qs: list[str]) -> dict:
         del policy
         t5 = time.perf_counter()
         lengths = [len(g.tokens) for g in gens]
+        shape = [int(m["padded_tokens"] // m["row_length"]), int(m["row_length"])]
         rec = {"iteration": it, "warmup": it == 0, "generate_s": t1 - t0, "reward_s": t2 - t1, "rows_s": t3 - t2,
                "pack_s": (t4 - t3) - m["train_s"], "train_s": m["train_s"], "push_s": t5 - t4, "iteration_s": t5 - t0,
                "completion_tokens_min": min(lengths), "completion_tokens_max": max(lengths),
                "completion_tokens": sum(lengths), "reward_mean": float(np.mean(rewards)),
                "loss": m["loss"], "grad_norm": m["grad_norm"], "ratio": m["ratio"], "clipfrac": m["clipfrac"],
                "padded_tokens": m["padded_tokens"], "attended_tokens": m["tokens"],
-               "train_shape": [int(m["padded_tokens"] // m["row_length"]), int(m["row_length"])],
-               "microbatches": microbatch_count(int(m["padded_tokens"] // m["row_length"]), int(m["row_length"]),
-                                                num_microbatches=a.microbatches,
+               "train_shape": shape,
+               "microbatches": microbatch_count(*shape, num_microbatches=a.microbatches,
                                                 max_tokens=a.max_microbatch_tokens),
                "loss_tokens": m["trained_tokens"],
                "compiled": (sampler.num_compiled - compiled[0]) + (step_fn._cache_size() - compiled[1])}

@@ -217,21 +217,22 @@ def draw_tokens(keys_b, z_bc, block: int = DRAW_BLOCK):
     p_bnk = jnp.pad(p_bc, ((0, 0), (0, n * block - C))).reshape(B, n, block)
 
     def pick(weights_bw, target_b):
-        """Index of the first weight whose running sum exceeds target, clipped to the positive ones."""
+        """(index of the first weight whose running sum exceeds target, clipped to the positive
+        ones; the running sums)."""
         cum_bw = jnp.cumsum(weights_bw, axis=-1)
         idx = jnp.sum(cum_bw <= target_b[:, None], axis=-1)
         w = jnp.arange(weights_bw.shape[1])
         positive = weights_bw > 0
         first = jnp.min(jnp.where(positive, w, weights_bw.shape[1]), axis=-1)
         last = jnp.max(jnp.where(positive, w, -1), axis=-1)
-        idx = jnp.clip(idx, first, last)
-        before = jnp.take_along_axis(cum_bw, idx[:, None], axis=1)[:, 0] - jnp.take_along_axis(
-            weights_bw, idx[:, None], axis=1)[:, 0]
-        return idx, before
+        return jnp.clip(idx, first, last), cum_bw
 
     mass_bn = jnp.sum(p_bnk, axis=-1)
     u_b = jax.vmap(jax.random.uniform)(keys_b) * jnp.sum(mass_bn, axis=-1)
-    blk_b, before_b = pick(mass_bn, u_b)
+    blk_b, cum_bn = pick(mass_bn, u_b)
+    # the mass of the blocks before the chosen one
+    before_b = (jnp.take_along_axis(cum_bn, blk_b[:, None], axis=1)
+                - jnp.take_along_axis(mass_bn, blk_b[:, None], axis=1))[:, 0]
     inner_bk = jnp.take_along_axis(p_bnk, blk_b[:, None, None], axis=1)[:, 0]
     tok_b, _ = pick(inner_bk, u_b - before_b)
     return (blk_b * block + tok_b).astype(jnp.int32)
