@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from models_hf_tiny import HF_CONFIGS, hf_logits, save_hf_model
-from steprl_jax.models import load_pretrained, transformer
+from steprl_jax.models import attention, load_pretrained
 
 FAMILIES = sorted(HF_CONFIGS)
 
@@ -31,7 +31,7 @@ def test_logits_match_left_padded_batch(pair):
 def test_logits_match_with_causal_query_blocks(pair, monkeypatch):
     """The full-sequence attention computed in query blocks of 8 (3 blocks, the last one
     partial), each over the keys up to its end only: the same logits as Hugging Face."""
-    monkeypatch.setattr(transformer, "CAUSAL_QUERY_BLOCK", 8)
+    monkeypatch.setattr(attention, "CAUSAL_QUERY_BLOCK", 8)
     _check_left_padded_batch(pair)
 
 

@@ -7,8 +7,8 @@ copies, which keeps compile times short on CPU and TPU alike; per-layer differen
 Cached passes (`extend`: prefill, continue, decode) run the layers unrolled over a per-layer
 KV cache, so that each layer reads and updates its cache buffer in place (see `KVCache`).
 
-Activations stay float32; every matmul goes through `projection` (weights) or `_mm`
-(attention), which cast their inputs to the compute dtype and accumulate in float32
+Activations stay float32; every matmul goes through `projection` (weights) or
+`models.attention`, which cast their inputs to the compute dtype and accumulate in float32
 (bf16-in/f32-out is the fast path on CPU and TPU; float32 is exact for parity tests).
 
 Shapes: B batch, T query length, S key length (cache slots), D hidden, N query
@@ -25,19 +25,9 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from steprl_jax.models.config import ModelConfig, RopeConfig
-from steprl_jax.ops.matmul import mixed_einsum, projection
+from steprl_jax.models.attention import MASKED, attention, causal_attention
+from steprl_jax.ops.matmul import projection
 from steprl_jax.models import lora
-
-_MASKED = -1e30  # finite, so a fully masked (padding) query row gives no NaN
-
-
-def _mm(eq: str, x, w, dtype):
-    """Attention's batched products (the weight products go through `projection`)."""
-    if dtype == jnp.float32:
-        return jnp.einsum(eq, x, w, preferred_element_type=jnp.float32)
-    # Low-precision operands, float32 accumulation, and a backward pass that stays low precision.
-    return mixed_einsum(eq, x, w, dtype)
-
 
 def _rms_norm(x, w, eps: float, plus_one: bool):
     x = x.astype(jnp.float32)
@@ -287,7 +277,7 @@ class Transformer(nnx.Module):
 
     def _masks_and_ropes(self, q_pos_bt, mask_bts, key_pos_bs):
         """(global, local) variants of (cos, sin, attention bias [B, T, S]): Gemma's sliding
-        layers differ. The mask becomes an additive bias (0 or _MASKED) once, here: on XLA:CPU a
+        layers differ. The mask becomes an additive bias (0 or MASKED) once, here: on XLA:CPU a
         `where` over the attention logits in every layer cost more than the attention matmuls."""
         c = self.config
         cos_g, sin_g = rope_tables(q_pos_bt, c.rope, c.head_dim)
@@ -296,7 +286,7 @@ class Transformer(nnx.Module):
         if c.sliding_window:
             # Hugging Face: a key is visible when q_pos - k_pos < sliding_window.
             window_mask = mask_bts & (q_pos_bt[:, :, None] - key_pos_bs[:, None, :] < c.sliding_window)
-        bias = lambda m: jnp.where(m, jnp.float32(0), jnp.float32(_MASKED))  # noqa: E731
+        bias = lambda m: jnp.where(m, jnp.float32(0), jnp.float32(MASKED))  # noqa: E731
         return (cos_g, sin_g, bias(mask_bts)), (cos_l, sin_l, bias(window_mask))
 
     def _run_layers(self, x, q_pos_bt, mask_bts, key_pos_bs, remat: Optional[str] = None):
@@ -395,15 +385,16 @@ def _decoder_layer(c: ModelConfig, dtype, p: dict, x, cos, sin, bias_bts, cached
         k = _rms_norm(k, p["k_norm"], eps, plus_one)
     q = _apply_rope(q, cos, sin)
     k = _apply_rope(k, cos, sin)
+    attend = dict(scale=c.attn_scale, softcap=c.attn_logit_softcap, dtype=dtype)
     if cached is None:
         kv = None
-        attn = _causal_attention(c, dtype, q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), bias_bts)
+        attn = causal_attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), bias_bts, **attend)
     else:
         k_buf, v_buf, index = cached
         k_buf = jax.lax.dynamic_update_slice(k_buf, k.transpose(0, 2, 1, 3).astype(k_buf.dtype), (0, 0, index, 0))
         v_buf = jax.lax.dynamic_update_slice(v_buf, v.transpose(0, 2, 1, 3).astype(v_buf.dtype), (0, 0, index, 0))
         kv = (k_buf, v_buf)
-        attn = _attention(c, dtype, q, k_buf, v_buf, bias_bts)
+        attn = attention(q, k_buf, v_buf, bias_bts, **attend)
     # A plain [B*T, N*H] x [N*H, D] matmul on the row-major weight (a free reshape): with an
     # einsum over (n, h), XLA:CPU chose to transpose the weight instead, a copy at every step.
     B, T, N, H = q.shape
@@ -420,49 +411,3 @@ def _decoder_layer(c: ModelConfig, dtype, p: dict, x, cos, sin, bias_bts, cached
     if c.sandwich_norms:
         out = _rms_norm(out, p["mlp_out_norm"], eps, plus_one)
     return x + out, kv
-
-
-# Query block of the full-sequence (causal) attention: block i attends only to keys before its
-# end, so about half of the logits are never computed (5/8 of them at T = 4 blocks). Long
-# sequences use longer blocks, at most MAX_CAUSAL_BLOCKS of them, to bound the program size.
-CAUSAL_QUERY_BLOCK = 128
-MAX_CAUSAL_BLOCKS = 16
-
-
-def _causal_attention(c: ModelConfig, dtype, q_btnh, k_bksh, v_bksh, bias_bts):
-    """`_attention` over a full sequence (key s = position s) whose mask is causal, computed
-    per block of queries over the keys up to the block's last position only. Exact for every
-    query with a visible key (the keys left out are masked for the whole block); a fully
-    masked padding query averages the values it is given, as `_attention` does."""
-    T = q_btnh.shape[1]
-    block = max(CAUSAL_QUERY_BLOCK, -(-T // MAX_CAUSAL_BLOCKS))
-    if T <= block:
-        return _attention(c, dtype, q_btnh, k_bksh, v_bksh, bias_bts)
-    outs = []
-    for start in range(0, T, block):
-        end = min(start + block, T)
-        outs.append(_attention(c, dtype, q_btnh[:, start:end], k_bksh[:, :, :end],
-                               v_bksh[:, :, :end], bias_bts[:, start:end, :end]))
-    return jnp.concatenate(outs, axis=2)
-
-
-def _attention(c: ModelConfig, dtype, q_btnh, k_bksh, v_bksh, bias_bts):
-    """Attention of T queries over S keys laid out [B, K, S, H] (the cache's own layout);
-    `bias_bts` is 0 for a visible key and _MASKED for a hidden one.
-
-    Queries are laid out [B, K, T*G, H] (the G query heads of a kv head and the T positions
-    merged into one axis), so each product is a plain batched matmul over (B, K): on XLA:CPU
-    this is 2-3x faster than a 5-d einsum with separate T and G axes.
-    Returns [B, K, T, G, H] (query head n = k * G + g).
-    """
-    B, T, N, H = q_btnh.shape
-    K = k_bksh.shape[1]
-    G = N // K
-    q_bkmh = (q_btnh * c.attn_scale).reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, H)
-    logits = _mm("bkmh,bksh->bkms", q_bkmh, k_bksh, dtype)
-    logits = softcap(logits, c.attn_logit_softcap).reshape(B, K, T, G, -1)
-    # + _MASKED is exactly _MASKED in float32 (|logits| is far below its ulp), as a `where` gives.
-    logits = logits + bias_bts[:, None, :, None, :]
-    probs = jax.nn.softmax(logits, axis=-1).reshape(B, K, T * G, -1)
-    out = _mm("bkms,bksh->bkmh", probs, v_bksh, dtype)
-    return out.reshape(B, K, T, G, H)

@@ -71,6 +71,15 @@ def _einsum_f32(eq: str, a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.einsum(eq, a, b, preferred_element_type=jnp.float32)
 
 
+def einsum_f32(eq: str, a: jax.Array, b: jax.Array, compute_dtype) -> jax.Array:
+    """`einsum(eq, a, b)` of `compute_dtype` operands accumulated in float32, for code that
+    writes its own backward pass (no custom VJP of its own)."""
+    dt = jnp.dtype(compute_dtype)
+    if dt == jnp.float32:
+        return jnp.einsum(eq, a, b, preferred_element_type=jnp.float32)
+    return _einsum_f32(eq, a.astype(dt), b.astype(dt))
+
+
 def _split_axis(x: jax.Array, axis: int) -> jax.Array:
     return x.reshape(*x.shape[:axis], 2, x.shape[axis] // 2, *x.shape[axis + 1:])
 
