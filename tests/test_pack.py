@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from steprl_jax.models import ModelConfig, Transformer
+from steprl_jax.models import ModelConfig, Transformer, attention
 from steprl_jax.training.config import LossConfig, TrainStepConfig
 from steprl_jax.training.forward import sequence_logprobs
 from steprl_jax.training.pack import Row, Span, cheapest_layout, layout_cost, pack, regroup, share_prefix
@@ -180,6 +180,42 @@ def test_a_tree_row_equals_one_row_per_path():
     np.testing.assert_allclose(_logps(model, a_batch)[on_a], _logps(model, b_batch)[on_b], rtol=1e-5, atol=1e-5)
     # the clipped surrogate over the weighted tokens (token_mean over the weights): same loss, same grads
     _assert_same_loss_and_grads(model, a_batch, b_batch, LossConfig(kind="policy", agg="token_mean"))
+
+
+def test_a_long_tree_row_attends_over_the_key_blocks_it_sees_only():
+    # A binary tree of 4 levels (30 steps of an action and an observation) behind a prompt: one
+    # long row (2,048 tokens, 16 query blocks) whose queries see their ancestors only. Attention gathers the key blocks a
+    # query block sees (`key_blocks`) instead of every block before it: the same log-probs, loss
+    # and gradients.
+    rng = np.random.default_rng(3)
+    ids = lambda k: rng.integers(1, CFG.vocab_size, k).tolist()
+
+    def step(depth):
+        k = int(rng.integers(20, 40))
+        spans = [Span(ids(k), loss=True, logprobs=(-1.0 - rng.random(k)).tolist(), advantage=float(rng.normal())),
+                 Span(ids(int(rng.integers(10, 30))))]
+        return Row(spans, [step(depth + 1), step(depth + 1)]) if depth < 3 else spans
+
+    batch = pack([Row([Span(ids(100))], [step(0), step(0)])])
+    T = batch.tokens.shape[1]
+    assert T == 2048 and batch.key_blocks is not None
+    Q, M = batch.key_blocks.shape[1:]
+    key_block = attention.KEY_BLOCK
+    assert Q == T // attention.query_block(T) and M * key_block <= T // 2  # at most half the keys
+    valid, node, end = batch.attention_mask[0].astype(bool), batch.branch_ids[0], batch.branch_ends[0]
+    i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+    seen = (j <= i) & valid[None, :] & (node[None, :] <= node[:, None]) & (node[:, None] < end[None, :])
+    for q in range(Q):  # every key block holding a key that a query of the block sees is gathered
+        needed = set(np.nonzero(seen[q * T // Q:(q + 1) * T // Q].any(0))[0] // key_block)
+        assert needed <= set(batch.key_blocks[0, q].tolist())
+    model = Transformer(CFG, rngs=nnx.Rngs(2))
+    plain = batch.replace(key_blocks=None)
+    on = batch.loss_mask > 0
+    gathered_logps = np.asarray(sequence_logprobs(
+        model, jnp.asarray(batch.tokens), attention_mask_bt=batch.attention_mask, positions_bt=batch.positions,
+        branch_ids_bt=batch.branch_ids, branch_ends_bt=batch.branch_ends, key_blocks_bqm=batch.key_blocks))
+    np.testing.assert_allclose(gathered_logps[on], _logps(model, plain)[on], rtol=1e-5, atol=1e-5)
+    _assert_same_loss_and_grads(model, batch, plain, LossConfig(kind="policy", agg="token_mean"))
 
 
 def test_regroup_opens_a_tree_without_changing_its_loss():

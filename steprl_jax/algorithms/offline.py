@@ -229,7 +229,8 @@ def train_on_rows(step_fn, state, rows, *, ppo_epochs: int = 1, minibatches: int
         parts = [put_global(part, lambda x: batch_sharding(mesh, ndim=x.ndim)) for part in parts]
     if logprob_fn is not None:
         parts = [part.replace(ref_logp=logprob_fn(ref_params, state.rest, part.tokens, part.attention_mask,
-                                                  part.loss_mask, part.positions, part.branch_ids, part.branch_ends))
+                                                  part.loss_mask, part.positions, part.branch_ids, part.branch_ends,
+                                                  part.key_blocks))
                  for part in parts]
     t1 = time.perf_counter()
     step_metrics = []

@@ -5,6 +5,13 @@ layout) and a float32 bias [B, T, S] (0 for a visible key, MASKED for a hidden o
 [B, K, T, G, H] (query head n = k * G + g). `causal_attention` is the same over a full sequence
 whose mask is causal, computed per block of queries over the keys up to the block's end.
 
+Packed tree rows (training/pack.py) hide most of the keys before a query: a branch sees its
+ancestors, not its siblings. For them the packer also gives `key_blocks` [B, Q, M] (host-side,
+`key_block_table`): for each block of queries, the M blocks of KEY_BLOCK keys that hold every
+key one of its queries sees. The queries of a block then attend over those M blocks, gathered,
+instead of every key before them: exact, and on the PORTool benchmark's trees (2,048 tokens)
+about half the logits.
+
 The core (logits -> softmax -> values) has a hand-written VJP, the one flash attention uses:
 with P the probabilities and O the output, dS = P * (dO V^T - rowsum(dO * O)), dQ = dS K,
 dK = dS^T Q, dV = P^T dO. Left to JAX's differentiation rules, XLA:CPU spent ~3x the time of
@@ -22,6 +29,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from steprl_jax.ops.matmul import einsum_f32
 
@@ -32,22 +40,84 @@ MASKED = -1e30  # finite, so a fully masked (padding) query row gives no NaN
 # sequences use longer blocks, at most MAX_CAUSAL_BLOCKS of them, to bound the program size.
 CAUSAL_QUERY_BLOCK = 128
 MAX_CAUSAL_BLOCKS = 16
+# Keys are gathered in blocks of this many (`key_blocks`): finer than the query block, so a block
+# of queries from several branches gathers little that it does not see.
+KEY_BLOCK = 32
 
 
-def causal_attention(q_btnh, k_bksh, v_bksh, bias_bts, *, scale: float, softcap: Optional[float], dtype):
+def query_block(length: int) -> int:
+    """The query block of `causal_attention` over a sequence of `length` tokens."""
+    return max(CAUSAL_QUERY_BLOCK, -(-length // MAX_CAUSAL_BLOCKS))
+
+
+def tree_mask(xp, valid_bt, segments_bt=None, node_bt=None, end_bt=None):
+    """[B, T, T] boolean: query t sees key s. Causal, over real keys of its own segment and,
+    in a packed tree, of its own branch and its ancestors (key s is visible to query t iff
+    node_s <= node_t < end_s: branches in preorder, `end` one past a branch's subtree). `xp` is
+    numpy (the packer's key_block_table) or jax.numpy (the model): one formula for both."""
+    T = valid_bt.shape[1]
+    idx = xp.arange(T)
+    mask = (idx[None, :, None] >= idx[None, None, :]) & xp.asarray(valid_bt, bool)[:, None, :]
+    if segments_bt is not None:
+        mask = mask & (segments_bt[:, :, None] == segments_bt[:, None, :])
+    if node_bt is not None:
+        mask = mask & (node_bt[:, None, :] <= node_bt[:, :, None]) & (node_bt[:, :, None] < end_bt[:, None, :])
+    return mask
+
+
+def key_block_table(valid_bt: np.ndarray, node_bt: np.ndarray, end_bt: np.ndarray,
+                    multiple: int = 4) -> Optional[np.ndarray]:
+    """`key_blocks` [B, Q, M] of packed tree rows (host-side; `tree_mask`'s arguments): the
+    queries of row b's query block i see keys in the KEY_BLOCK-token blocks key_blocks[b, i, :c]
+    only (ascending), followed by blocks they see nothing of. M is the largest c, rounded up to
+    `multiple` (fewer distinct shapes to compile). None when that saves nothing over
+    `causal_attention`'s plain blocks."""
+    B, T = valid_bt.shape
+    block = query_block(T)
+    if T % block or T == block or block % KEY_BLOCK:
+        return None
+    Q, S = T // block, T // KEY_BLOCK
+    seen = np.stack([  # [B, Q, S]: one row at a time, a [T, T] mask each
+        tree_mask(np, valid_bt[b:b + 1], None, node_bt[b:b + 1], end_bt[b:b + 1]).reshape(Q, block, S, KEY_BLOCK)
+        .any(axis=(1, 3)) for b in range(B)])
+    # Visible blocks (key False) first, then the hidden ones in order. The mask is causal, so
+    # query block i's first (i + 1) * block / KEY_BLOCK entries are the blocks before its end.
+    order = np.argsort(~seen, axis=-1, kind="stable")
+    M = -(-max(int(seen.sum(-1).max()), 1) // multiple) * multiple
+    if M * KEY_BLOCK >= T - block:  # gathers only where fewer than the plain blocks: none here
+        return None
+    return np.ascontiguousarray(order[:, :, :M]).astype(np.int32)
+
+
+def causal_attention(q_btnh, k_bksh, v_bksh, bias_bts, *, scale: float, softcap: Optional[float], dtype,
+                     key_blocks=None):
     """`attention` over a full sequence (key s = position s) whose mask is causal, computed
-    per block of queries over the keys up to the block's last position only. Exact for every
-    query with a visible key (the keys left out are masked for the whole block); a fully
+    per block of queries over the keys up to the block's last position only, or with
+    `key_blocks` (`key_block_table`) over the blocks it names where they are fewer. Exact for
+    every query with a visible key (the keys left out are masked for the whole block); a fully
     masked padding query averages the values it is given, as `attention` does."""
-    T = q_btnh.shape[1]
-    block = max(CAUSAL_QUERY_BLOCK, -(-T // MAX_CAUSAL_BLOCKS))
+    B, T = q_btnh.shape[:2]
+    block = query_block(T)
     run = functools.partial(attention, scale=scale, softcap=softcap, dtype=dtype)
     if T <= block:
         return run(q_btnh, k_bksh, v_bksh, bias_bts)
+    if key_blocks is not None:
+        M = key_blocks.shape[2]
+        blocks = lambda x: x.reshape(*x.shape[:2], T // KEY_BLOCK, KEY_BLOCK, x.shape[-1])  # noqa: E731
+        k_blocks, v_blocks = blocks(k_bksh), blocks(v_bksh)  # [B, K, S, KEY_BLOCK, H]
     outs = []
-    for start in range(0, T, block):
+    for i, start in enumerate(range(0, T, block)):
         end = min(start + block, T)
-        outs.append(run(q_btnh[:, start:end], k_bksh[:, :, :end], v_bksh[:, :, :end], bias_bts[:, start:end, :end]))
+        q = q_btnh[:, start:end]
+        if key_blocks is None or M * KEY_BLOCK >= end:
+            outs.append(run(q, k_bksh[:, :, :end], v_bksh[:, :, :end], bias_bts[:, start:end, :end]))
+            continue
+        idx = key_blocks[:, i, :]  # [B, M]
+        gather = lambda x: jnp.take_along_axis(x, idx[:, None, :, None, None], axis=2).reshape(  # noqa: E731
+            B, x.shape[1], M * KEY_BLOCK, x.shape[-1])
+        bias = jnp.take_along_axis(bias_bts[:, start:end].reshape(B, end - start, T // KEY_BLOCK, KEY_BLOCK),
+                                   idx[:, None, :, None], axis=2).reshape(B, end - start, M * KEY_BLOCK)
+        outs.append(run(q, gather(k_blocks), gather(v_blocks), bias))
     return jnp.concatenate(outs, axis=2)
 
 

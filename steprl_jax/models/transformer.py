@@ -25,7 +25,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from steprl_jax.models.config import ModelConfig, RopeConfig
-from steprl_jax.models.attention import MASKED, attention, causal_attention
+from steprl_jax.models.attention import MASKED, attention, causal_attention, tree_mask
 from steprl_jax.ops.matmul import projection
 from steprl_jax.models import lora
 
@@ -176,7 +176,7 @@ class Transformer(nnx.Module):
         return self.logits_from_hidden(hidden)
 
     def hidden_states(self, input_ids_bt, *, positions_bt=None, attention_mask_bt=None, segment_ids_bt=None,
-                      branch_ids_bt=None, branch_ends_bt=None, remat: Optional[str] = None):
+                      branch_ids_bt=None, branch_ends_bt=None, key_blocks_bqm=None, remat: Optional[str] = None):
         """Final-normed hidden states [B, T, D] for a full sequence (no cache).
 
         `attention_mask_bt` (1 = real token) marks padding; it is never inferred
@@ -191,6 +191,8 @@ class Transformer(nnx.Module):
         has two levels: branch 0, the prefix, is every branch's parent (end = infinity for 0,
         g + 1 for g). Pass `positions_bt` with it (each branch continues its parent's
         positions): the row then computes exactly what one row per root-to-leaf path would.
+        `key_blocks_bqm` (`models.attention.key_block_table` of this mask, from the packer)
+        lets each block of queries attend over the key blocks it sees only.
 
         `remat` names the rematerialisation policy applied to each layer for the backward pass
         (see `remat_policy`: e.g. "nothing_saveable" keeps only each layer's input and
@@ -208,20 +210,14 @@ class Transformer(nnx.Module):
         if positions_bt is None:
             positions_bt = _default_positions(valid_bt, segments_bt)
         positions_bt = jnp.asarray(positions_bt, jnp.int32)
-        idx = jnp.arange(T)
-        mask_bts = (
-            (idx[None, :, None] >= idx[None, None, :])
-            & valid_bt[:, None, :]
-            & (segments_bt[:, :, None] == segments_bt[:, None, :])
-        )
+        node_bt = end_bt = None
         if branch_ids_bt is not None:
             node_bt = jnp.asarray(branch_ids_bt, jnp.int32)
             end_bt = (jnp.where(node_bt == 0, jnp.iinfo(jnp.int32).max, node_bt + 1) if branch_ends_bt is None
                       else jnp.asarray(branch_ends_bt, jnp.int32))
-            mask_bts = mask_bts & ((node_bt[:, None, :] <= node_bt[:, :, None])
-                                   & (node_bt[:, :, None] < end_bt[:, None, :]))
+        mask_bts = tree_mask(jnp, valid_bt, segments_bt, node_bt, end_bt)
         x = self._embed(input_ids_bt)
-        x = self._run_layers(x, positions_bt, mask_bts, positions_bt, remat)
+        x = self._run_layers(x, positions_bt, mask_bts, positions_bt, remat, key_blocks_bqm)
         return self._final_norm(x)
 
     def extend(self, input_ids_bt, positions_bt, cache: KVCache, layer_params: Optional[tuple] = None):
@@ -289,7 +285,7 @@ class Transformer(nnx.Module):
         bias = lambda m: jnp.where(m, jnp.float32(0), jnp.float32(MASKED))  # noqa: E731
         return (cos_g, sin_g, bias(mask_bts)), (cos_l, sin_l, bias(window_mask))
 
-    def _run_layers(self, x, q_pos_bt, mask_bts, key_pos_bs, remat: Optional[str] = None):
+    def _run_layers(self, x, q_pos_bt, mask_bts, key_pos_bs, remat: Optional[str] = None, key_blocks=None):
         """All layers under `lax.scan` over the stacked parameters (no cache)."""
         c = self.config
         dtype = jnp.dtype(c.compute_dtype)
@@ -299,7 +295,7 @@ class Transformer(nnx.Module):
             p, is_sliding = xs
             p = self.layers.layer_weights(p)  # LoRA: merged one layer at a time
             cos, sin, bias = (jnp.where(is_sliding, l_, g_) for l_, g_ in zip(local, global_))
-            h, _ = _decoder_layer(c, dtype, p, h, cos, sin, bias, None)
+            h, _ = _decoder_layer(c, dtype, p, h, cos, sin, bias, None, key_blocks)
             return h, None
 
         if remat is not None:
@@ -366,7 +362,7 @@ def _default_positions(valid_bt, segments_bt):
     return jnp.maximum(count - count_before_segment - 1, 0)
 
 
-def _decoder_layer(c: ModelConfig, dtype, p: dict, x, cos, sin, bias_bts, cached):
+def _decoder_layer(c: ModelConfig, dtype, p: dict, x, cos, sin, bias_bts, cached, key_blocks=None):
     """One layer. `cached` is None (attend over the T tokens themselves) or this layer's cache
     (k, v buffers [B, K, S, H], index): the new keys and values are written at slots
     [index, index + T) first, then the queries attend over all S slots. Writing before reading
@@ -388,7 +384,8 @@ def _decoder_layer(c: ModelConfig, dtype, p: dict, x, cos, sin, bias_bts, cached
     attend = dict(scale=c.attn_scale, softcap=c.attn_logit_softcap, dtype=dtype)
     if cached is None:
         kv = None
-        attn = causal_attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), bias_bts, **attend)
+        attn = causal_attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), bias_bts, **attend,
+                                key_blocks=key_blocks)
     else:
         k_buf, v_buf, index = cached
         k_buf = jax.lax.dynamic_update_slice(k_buf, k.transpose(0, 2, 1, 3).astype(k_buf.dtype), (0, 0, index, 0))

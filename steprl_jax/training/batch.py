@@ -10,6 +10,8 @@ Shared-prefix rows (training/pack.py): `positions`, `branch_ids` and `branch_end
 of continuations into one row (a prefix, branch 0, and its continuations; continuations of
 those, and so on; see `Transformer.hidden_states`); each branch starts with a copy of its
 parent's last token, so the next-token alignment above holds inside every branch.
+`key_blocks` (`models.attention.key_block_table` of that mask) lets attention skip the key
+blocks a block of queries cannot see.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import jax
 import numpy as np
 from flax import struct
 
+from steprl_jax.models.attention import KEY_BLOCK, query_block
 from steprl_jax.ops.validate import check_finite, check_mask_selects
 
 
@@ -33,6 +36,7 @@ class Batch:
     positions: Optional[jax.Array] = None  # int32 [B, L], None: counted from the start
     branch_ids: Optional[jax.Array] = None  # int32 [B, L], the token's branch (preorder; 0 = the prefix)
     branch_ends: Optional[jax.Array] = None  # int32 [B, L], one past the last branch of its subtree
+    key_blocks: Optional[jax.Array] = None  # int32 [B, Q, M], the key blocks each query block sees
 
     @property
     def shape(self):
@@ -40,7 +44,7 @@ class Batch:
 
 
 def make_batch(tokens, loss_mask, advantages=None, old_logp=None, ref_logp=None,
-               attention_mask=None, positions=None, branch_ids=None, branch_ends=None) -> Batch:
+               attention_mask=None, positions=None, branch_ids=None, branch_ends=None, key_blocks=None) -> Batch:
     """Build a Batch of NumPy arrays with the right dtypes (zeros for omitted advantages/logp)."""
     tokens = np.asarray(tokens, np.int32)
     zeros = np.zeros(tokens.shape, np.float32)
@@ -51,7 +55,7 @@ def make_batch(tokens, loss_mask, advantages=None, old_logp=None, ref_logp=None,
                  old_logp=zeros if old_logp is None else f32(old_logp),
                  ref_logp=f32(ref_logp),
                  attention_mask=i32(attention_mask), positions=i32(positions),
-                 branch_ids=i32(branch_ids), branch_ends=i32(branch_ends))
+                 branch_ids=i32(branch_ids), branch_ends=i32(branch_ends), key_blocks=i32(key_blocks))
 
 
 def validate_batch(batch: Batch, *, vocab_size: Optional[int] = None,
@@ -73,6 +77,13 @@ def validate_batch(batch: Batch, *, vocab_size: Optional[int] = None,
         # without ends the mask assumes two levels (every branch a child of branch 0): a nested
         # tree would silently lose its ancestors
         raise ValueError("branch_ids without branch_ends (training/pack.py makes both)")
+    if batch.key_blocks is not None:
+        blocks = np.asarray(batch.key_blocks)
+        B, T = tokens.shape
+        Q, S = T // query_block(T), T // KEY_BLOCK
+        if blocks.ndim != 3 or blocks.shape[:2] != (B, Q) or blocks.min() < 0 or blocks.max() >= S:
+            raise ValueError(f"key_blocks must be [{B}, {Q}, M] key block indices in [0, {S}), got shape "
+                             f"{blocks.shape}, range [{blocks.min()}, {blocks.max()}] (training/pack.py makes them)")
     mask = np.asarray(batch.loss_mask)
     check_mask_selects("loss_mask", mask)
     if np.any(mask < 0):

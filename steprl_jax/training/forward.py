@@ -21,7 +21,7 @@ def _shift_right(x_bt):
 def sequence_logprobs(model, tokens_bt, *, attention_mask_bt=None, temperature=1.0,
                       chunk_size: Optional[int] = None, with_entropy: bool = False,
                       remat: Optional[str] = None, loss_mask_bt=None, positions_bt=None,
-                      branch_ids_bt=None, branch_ends_bt=None):
+                      branch_ids_bt=None, branch_ends_bt=None, key_blocks_bqm=None):
     """Per-token log-probs [B, L] (and entropies of the predicting distribution) of `tokens_bt`;
     `remat`: the layers' rematerialisation policy (see `Transformer.hidden_states`).
 
@@ -31,7 +31,7 @@ def sequence_logprobs(model, tokens_bt, *, attention_mask_bt=None, temperature=1
     cfg = model.config
     hidden_btd = model.hidden_states(tokens_bt, attention_mask_bt=attention_mask_bt, remat=remat,
                                      positions_bt=positions_bt, branch_ids_bt=branch_ids_bt,
-                                     branch_ends_bt=branch_ends_bt)
+                                     branch_ends_bt=branch_ends_bt, key_blocks_bqm=key_blocks_bqm)
     next_bt = jnp.roll(tokens_bt, -1, axis=1)  # position t predicts token t + 1
     where_bt = None
     if loss_mask_bt is not None:  # hidden t is wanted when token t + 1 is; the last never is

@@ -34,6 +34,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from steprl_jax.models.attention import key_block_table
 from steprl_jax.sampling.params import bucket
 from steprl_jax.training.batch import Batch, make_batch
 
@@ -269,5 +270,7 @@ def pack(rows: Sequence[Row], *, num_microbatches: int = 1, num_data_shards: int
         positions[r, k:] = pos[-1] + 1 + np.arange(length - k)  # padding: past the row's tokens
     loss[:, 0] = 0.0  # column 0 has no prediction
     shared = any(row.branches for row in rows)
-    return make_batch(tokens, loss, adv, logp, attention_mask=attention, positions=positions if shared else None,
-                      branch_ids=branches if shared else None, branch_ends=ends if shared else None)
+    if not shared:
+        return make_batch(tokens, loss, adv, logp, attention_mask=attention)
+    return make_batch(tokens, loss, adv, logp, attention_mask=attention, positions=positions, branch_ids=branches,
+                      branch_ends=ends, key_blocks=key_block_table(attention, branches, ends))

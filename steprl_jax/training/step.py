@@ -40,7 +40,7 @@ def loss_sums(model, batch: Batch, cfg: LossConfig, remat: Optional[str] = None)
     # Log-probs only where the loss reads them (every term below is masked by mask_bt).
     out = sequence_logprobs(model, batch.tokens, attention_mask_bt=batch.attention_mask,
                             positions_bt=batch.positions, branch_ids_bt=batch.branch_ids,
-                            branch_ends_bt=batch.branch_ends,
+                            branch_ends_bt=batch.branch_ends, key_blocks_bqm=batch.key_blocks,
                             temperature=cfg.temperature, chunk_size=cfg.logprob_chunk,
                             with_entropy=want_entropy, remat=remat, loss_mask_bt=mask_bt)
     logp_bt, entropy_bt = out if want_entropy else (out, None)
@@ -182,16 +182,17 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: TrainStepCo
 def make_logprob_fn(graphdef, *, temperature: float = 1.0, chunk_size: Optional[int] = None,
                     mesh: Optional[Mesh] = None, rules: dict = LOGICAL_AXIS_RULES):
     """Jitted fn(params, rest, tokens, attention_mask, loss_mask=None, positions=None,
-    branch_ids=None, branch_ends=None) -> logp_bt [B, L],
+    branch_ids=None, branch_ends=None, key_blocks=None) -> logp_bt [B, L],
     aligned like Batch: recompute old log-probs or fill `ref_logp` from a frozen reference
     model's params (`attention_mask` may be None; with `loss_mask` only the marked tokens are
     computed, the others read 0). Inputs keep the shardings they were placed with; with a
     mesh the output is sharded over the data axes like a Batch."""
     def fn(params, rest, tokens, attention_mask, loss_mask=None, positions=None, branch_ids=None,
-           branch_ends=None):
+           branch_ends=None, key_blocks=None):
         model = merge_model(graphdef, params, rest)
         return sequence_logprobs(model, tokens, attention_mask_bt=attention_mask,
                                  positions_bt=positions, branch_ids_bt=branch_ids, branch_ends_bt=branch_ends,
+                                 key_blocks_bqm=key_blocks,
                                  temperature=temperature, chunk_size=chunk_size,
                                  loss_mask_bt=loss_mask)
     if mesh is None:
