@@ -182,21 +182,26 @@ def test_a_tree_row_equals_one_row_per_path():
     _assert_same_loss_and_grads(model, a_batch, b_batch, LossConfig(kind="policy", agg="token_mean"))
 
 
-def test_a_long_tree_row_attends_over_the_key_blocks_it_sees_only():
-    # A binary tree of 4 levels (30 steps of an action and an observation) behind a prompt: one
-    # long row (2,048 tokens, 16 query blocks) whose queries see their ancestors only. Attention gathers the key blocks a
-    # query block sees (`key_blocks`) instead of every block before it: the same log-probs, loss
-    # and gradients.
-    rng = np.random.default_rng(3)
-    ids = lambda k: rng.integers(1, CFG.vocab_size, k).tolist()
+def binary_tree(rng, vocab: int, levels: int = 4) -> Row:
+    """A prompt of 100 tokens, then a binary tree of `levels` steps (an action of 20-40 tokens
+    and an observation of 10-30): 30 steps, ~1,800 tokens at 4 levels."""
+    ids = lambda k: rng.integers(1, vocab, k).tolist()  # noqa: E731
 
     def step(depth):
         k = int(rng.integers(20, 40))
         spans = [Span(ids(k), loss=True, logprobs=(-1.0 - rng.random(k)).tolist(), advantage=float(rng.normal())),
                  Span(ids(int(rng.integers(10, 30))))]
-        return Row(spans, [step(depth + 1), step(depth + 1)]) if depth < 3 else spans
+        return Row(spans, [step(depth + 1), step(depth + 1)]) if depth < levels - 1 else spans
 
-    batch = pack([Row([Span(ids(100))], [step(0), step(0)])])
+    return Row([Span(ids(100))], [step(0), step(0)])
+
+
+def test_a_long_tree_row_attends_over_the_key_blocks_it_sees_only():
+    # A binary tree of 4 levels (30 steps of an action and an observation) behind a prompt: one
+    # long row (2,048 tokens, 16 query blocks) whose queries see their ancestors only. Attention gathers the key blocks a
+    # query block sees (`key_blocks`) instead of every block before it: the same log-probs, loss
+    # and gradients.
+    batch = pack([binary_tree(np.random.default_rng(3), CFG.vocab_size)])
     T = batch.tokens.shape[1]
     assert T == 2048 and batch.key_blocks is not None
     Q, M = batch.key_blocks.shape[1:]

@@ -152,6 +152,26 @@ def test_eight_devices_equal_one_device():
     assert int(s8.step) == 2 and m8[-1]["learning_rate"] == pytest.approx(0.5e-3)  # lr of update 2 (warmup 2)
 
 
+def test_tree_rows_gathering_key_blocks_on_eight_devices_equal_one_device():
+    """Packed trees whose attention gathers key blocks (`Batch.key_blocks`, [B, Q, M]): split into
+    micro-batches and over data shards like every other field, the same steps as one device
+    without the blocks."""
+    from test_pack import binary_tree
+
+    from steprl_jax.training.pack import pack
+
+    rng = np.random.default_rng(5)
+    batch = pack([binary_tree(rng, CFG.vocab_size) for _ in range(3)], num_microbatches=2, num_data_shards=2)
+    assert batch.key_blocks is not None and batch.tokens.shape[0] == 4  # 3 trees and a padding row
+    validate_batch(batch, vocab_size=CFG.vocab_size, num_microbatches=2, num_data_shards=2)
+    s1, m1 = _run_steps(None, batch.replace(key_blocks=None))
+    s8, m8 = _run_steps(make_mesh(data=2, fsdp=1, tensor=4), batch)  # rows over 2 shards, heads over 4
+    for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s8.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    for a, b in zip(m1, m8):
+        np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-5, atol=1e-6)
+
+
 def test_first_update_ratio_is_one_and_empty_mask_gives_zero_loss():
     tx = make_optimizer(OPT)
     graphdef, state, _ = create_train_state(_model(), tx)
