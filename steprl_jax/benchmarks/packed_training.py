@@ -21,7 +21,9 @@ for packed and as many for unpacked as keep the same rows per micro-batch, more 
 holds more than `--max-microbatch-tokens` (the RL config's bound, the same for both). The layouts run
 alternately, after one compiling step each on a throwaway copy of the state, and every timed
 step starts from the same parameters. Printed with the host's measured matmul and bandwidth
-rates and each layout's share of the matmul roofline (model FLOPs of the padded batch).
+rates, each layout's share of the matmul roofline (model FLOPs of the padded batch) and the
+attention logits it computes per sample (one head, one layer; packed trees gather the key
+blocks they see, `models.attention.key_block_table`).
 """
 from __future__ import annotations
 
@@ -102,9 +104,23 @@ def _jitter(rng, mean: int) -> int:
     return max(1, int(round(mean * rng.uniform(0.85, 1.15))))
 
 
+def attention_logits(batch) -> int:
+    """Attention logits one head of one layer computes for the batch: per query block, the keys
+    before its end, or the gathered key blocks where `key_blocks` gives fewer."""
+    from steprl_jax.models.attention import KEY_BLOCK, query_block
+
+    rows, T = batch.tokens.shape
+    block = query_block(T)
+    gathered = T if batch.key_blocks is None else batch.key_blocks.shape[2] * KEY_BLOCK
+    ends = [min(start + block, T) for start in range(0, T, block)] if T > block else [T]
+    return rows * sum((end - start) * min(end, gathered) for start, end in zip([0] + ends[:-1], ends))
+
+
 def layout(batch, samples: int) -> dict:
     rows = int(np.sum(np.any(batch.attention_mask, axis=1)))
-    return {"rows": rows, "padded_rows": int(batch.tokens.shape[0]), "length": int(batch.tokens.shape[1]),
+    return {"attention_logits_per_sample": attention_logits(batch) / samples,
+            "key_blocks": None if batch.key_blocks is None else list(batch.key_blocks.shape[1:]),
+            "rows": rows, "padded_rows": int(batch.tokens.shape[0]), "length": int(batch.tokens.shape[1]),
             "padded_tokens": int(batch.tokens.size), "tokens": int(np.sum(batch.attention_mask)),
             "loss_tokens": int(np.sum(batch.loss_mask > 0)), "samples": samples,
             "tokens_per_sample": float(np.sum(batch.attention_mask)) / samples,
@@ -174,14 +190,15 @@ def report(results, rates, bandwidth, a):
               f"{r['case']} packed {r['microbatches']['packed']} / unpacked {r['microbatches']['unpacked']}"
               for r in results))
     print()
-    print("| case | layout | rows x length | tokens / sample | padded / sample | loss tokens | step s (median) "
-          "| samples/s | roofline share |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| case | layout | rows x length | tokens / sample | padded / sample | attention logits / sample "
+          "| loss tokens | step s (median) | samples/s | roofline share |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         for k in ("packed", "unpacked"):
             x = r["layouts"][k]
             print(f"| {r['case']} | {k} | {x['padded_rows']} x {x['length']} | {x['tokens_per_sample']:.1f} "
-                  f"| {x['padded_tokens_per_sample']:.1f} | {x['loss_tokens']} | {x['median_s']:.2f} "
+                  f"| {x['padded_tokens_per_sample']:.1f} | {x['attention_logits_per_sample']:,.0f} "
+                  f"| {x['loss_tokens']} | {x['median_s']:.2f} "
                   f"(of {len(r['times_s'][k])}) | {x['samples_per_s']:.3f} | {x['roofline_share']:.1%} |")
     print()
     for r in results:
