@@ -161,7 +161,8 @@ def test_tree_rows_gathering_key_blocks_on_eight_devices_equal_one_device():
     from steprl_jax.training.pack import pack
 
     rng = np.random.default_rng(5)
-    batch = pack([binary_tree(rng, CFG.vocab_size) for _ in range(3)], num_microbatches=2, num_data_shards=2)
+    batch = pack([binary_tree(rng, CFG.vocab_size, levels=3) for _ in range(3)], num_microbatches=2,
+                 num_data_shards=2)
     assert batch.key_blocks is not None and batch.tokens.shape[0] == 4  # 3 trees and a padding row
     validate_batch(batch, vocab_size=CFG.vocab_size, num_microbatches=2, num_data_shards=2)
     s1, m1 = _run_steps(None, batch.replace(key_blocks=None))
