@@ -10,7 +10,7 @@ ancestors, not its siblings. For them the packer also gives `key_blocks` [B, Q, 
 `key_block_table`): for each block of queries, the M blocks of KEY_BLOCK keys that hold every
 key one of its queries sees. The queries of a block then attend over those M blocks, gathered,
 instead of every key before them: exact, and on the PORTool benchmark's trees (2,048 tokens)
-about half the logits.
+~40% fewer logits (166k against 279k per sample).
 
 The core (logits -> softmax -> values) has a hand-written VJP, the one flash attention uses:
 with P the probabilities and O the output, dS = P * (dO V^T - rowsum(dO * O)), dQ = dS K,
@@ -19,8 +19,9 @@ this backward on the softmax's (measured on a 128-query block of a 2,048-token r
 SmolLM2: 39 ms against 12 ms forward + backward, bf16 operands); the gradients agree to
 float32 rounding (tests/test_attention.py).
 
-Shapes: B batch, T queries, S keys, N query heads, K kv heads, G = N // K, H head dim,
-M = T * G (a kv head's queries, merged).
+Shapes: B batch, T queries, S keys, N query heads, K kv heads, G = N // K, H head dim;
+in the core, M = T * G (a kv head's queries, merged); in `key_blocks` [B, Q, M], Q query blocks
+and M gathered key blocks each.
 """
 from __future__ import annotations
 
