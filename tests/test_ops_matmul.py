@@ -1,4 +1,6 @@
 """mixed_einsum: bf16 matmuls forward AND backward, gradients close to float32."""
+import re
+
 import jax
 import jax.extend  # noqa: F401  (jaxprs_in_params)
 import jax.numpy as jnp
@@ -124,3 +126,32 @@ def test_projection_refuses_a_batch_index():
     from steprl_jax.ops.matmul import projection
     with pytest.raises(ValueError, match="batch index"):
         projection("bkm,bkn->bmn", jnp.ones((2, 3, 4)), jnp.ones((2, 3, 5)))
+
+
+def _compiled_dot_operand_types(fn, *args):
+    """The element types of both operands of every dot in `fn`'s optimised XLA program."""
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    types = []
+    for computation in text.split("\n\n"):
+        shapes = dict(re.findall(r"%([\w.\-]+) = (\w+)\[", computation))
+        for a, b in re.findall(r"= \w+\[[^\]]*\]\S* dot\(%([\w.\-]+), %([\w.\-]+)\)", computation):
+            types.append((shapes[a], shapes[b]))
+    return types
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a workaround for XLA:CPU only")
+def test_an_mlp_backward_runs_every_matmul_in_bf16_after_xla_optimises_it():
+    """XLA:CPU upcast the input gradients `g W^T` (the weight contracted over its minor axis,
+    `g` computed in the program) to float32 dots; summed as two halves they stay bf16."""
+    from steprl_jax.ops.matmul import projection
+    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(0), 3)
+    x = jax.random.normal(k1, (2, 16, 32))
+    w1, w2 = jax.random.normal(k2, (32, 64)), jax.random.normal(k3, (64, 32))
+
+    def loss(x, w1, w2):
+        h = jax.nn.silu(projection("btd,df->btf", x, w1, jnp.bfloat16))
+        return jnp.sum(projection("btf,fd->btd", h, w2, jnp.bfloat16) ** 2)
+
+    types = _compiled_dot_operand_types(jax.grad(loss, (0, 1, 2)), x, w1, w2)
+    assert len(types) == 6, types  # 2 forward, 2 input gradients, 2 weight gradients
+    assert all(t == ("bf16", "bf16") for t in types), types
