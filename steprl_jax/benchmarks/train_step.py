@@ -1,6 +1,6 @@
 """Train-step throughput on real SmolLM2-135M-Instruct: ours (JAX) vs the same step in PyTorch.
 
-    python -m steprl_jax.benchmarks.train_step [--batch 8 --length 512 --steps 3]
+    python -m steprl_jax.benchmarks.train_step [--batch 8 --length 512 --steps 3] [--profile]
 
 One step = forward + backward + AdamW update of the clipped token-mean surrogate on a
 [batch, length] batch (random tokens, loss mask on the second half of each row, random
@@ -14,7 +14,9 @@ measured here, in this run just before our steps (model FLOPs: 6 x matmul parame
 + causal-free attention 12 x L x B x T^2 x N x H; recomputation not counted). PyTorch runs
 at each of `--torch-dtypes` (float32; bf16 autocast with float32 master weights) in child
 processes before and after ours (median), so a change of load on a shared machine biases
-neither side, and ours is compared with its faster setting.
+neither side, and ours is compared with its faster setting. `--profile` traces one more step
+of ours and prints where its time goes: matmuls by operand type with their achieved rate, and the
+other XLA ops by kind (`benchmarks.xla_profile`).
 """
 from __future__ import annotations
 
@@ -71,7 +73,7 @@ def synthetic_batch(batch: int, length: int, vocab: int, seed: int = 0):
 
 
 def bench_jax(batch, length, steps, chunk, microbatches=4, remat="qkvo_saveable",
-              compute_dtype="bfloat16"):
+              compute_dtype="bfloat16", profile=False):
     import jax
     from steprl_jax.models import load_pretrained
     from steprl_jax.training import (LossConfig, OptimizerConfig, TrainStepConfig,
@@ -102,8 +104,12 @@ def bench_jax(batch, length, steps, chunk, microbatches=4, remat="qkvo_saveable"
         times.append(time.perf_counter() - t0)
         _log(f"jax: step {len(times)} took {times[-1]:.2f} s")
     assert step._cache_size() == n_compiles, "train step retraced"
+    breakdown = None
+    if profile:  # one more step, traced: where its time goes
+        from steprl_jax.benchmarks.xla_profile import profile_call
+        breakdown = profile_call(step, state, b)
     del state, b
-    return cfg, float(np.median(times)), compile_s, first_clipfrac, float(m["loss"])
+    return cfg, float(np.median(times)), compile_s, first_clipfrac, float(m["loss"]), breakdown
 
 
 def make_torch_bench(batch, length, threads, dtype="float32"):
@@ -194,6 +200,8 @@ def main(argv=None):
     p.add_argument("--torch-dtypes", default="float32,bfloat16",
                    help="PyTorch settings to probe: float32 and/or bfloat16 (autocast); ours is compared "
                         "with the faster")
+    p.add_argument("--profile", action="store_true",
+                   help="trace one more step of ours and print where its time goes (benchmarks.xla_profile)")
     p.add_argument("--json", default=None, help="write the figures here")
     p.add_argument("--torch-only", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -218,8 +226,8 @@ def main(argv=None):
         dtype = "bfloat16" if rates["bfloat16"] >= 1.2 * rates["float32"] else "float32"
     rate = rates[dtype]
     remat = None if a.remat == "none" else a.remat
-    cfg, jax_s, compile_s, clipfrac, loss = bench_jax(a.batch, a.length, a.steps, a.chunk,
-                                                         a.microbatches, remat, dtype)
+    cfg, jax_s, compile_s, clipfrac, loss, breakdown = bench_jax(
+        a.batch, a.length, a.steps, a.chunk, a.microbatches, remat, dtype, a.profile)
     for d in torch_dtypes:
         torch_times[d] += _torch_child(a, d)
     torch_med = {d: float(np.median(t)) for d, t in torch_times.items()}
@@ -246,6 +254,9 @@ def main(argv=None):
     print(f"MFU target 35%: {'PASS' if flops / jax_s / rate >= .35 else 'FAIL'}; "
           f"first-step compile {compile_s:.1f} s; first-update clip fraction {clipfrac:.4f}; "
           f"loss {loss:.4f}")
+    if breakdown:
+        from steprl_jax.benchmarks.xla_profile import format_rows
+        print(format_rows(*breakdown, matmul_rate=rate))
     if a.json:
         from steprl_jax.evaluation.metrics import write_text_atomic
 
@@ -254,7 +265,10 @@ def main(argv=None):
             "matmul_rates_transformer_shapes": rates,
             "ours": {"dtype": dtype, "s_per_step": jax_s, "mfu": flops / jax_s / rate},
             "torch": {d: {"s_per_step": t, "times": torch_times[d]} for d, t in torch_med.items()},
-            "torch_best": best_torch, "ratio": (torch_s / jax_s) if torch_s else None}, indent=1))
+            "torch_best": best_torch, "ratio": (torch_s / jax_s) if torch_s else None,
+            "profile": None if not breakdown else {
+                "wall_s": breakdown[1], "ops": [dict(zip(("ops", "thread_s", "runs", "flops"), r))
+                                                for r in breakdown[0]]}}, indent=1))
 
 
 if __name__ == "__main__":
