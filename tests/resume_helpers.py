@@ -115,9 +115,11 @@ def complete_lines(path) -> int:
 
 
 def without_timings(value, skip=("time",)):
-    """`value` (parsed JSON) without the keys that are timings: `*_s` and those in `skip`."""
+    """`value` (parsed JSON) without the keys that depend on the machine's state: timings (`*_s`),
+    memory (`*_gb`) and those in `skip`."""
     if isinstance(value, dict):
-        return {k: without_timings(v, skip) for k, v in value.items() if k not in skip and not k.endswith("_s")}
+        return {k: without_timings(v, skip) for k, v in value.items()
+                if k not in skip and not k.endswith(("_s", "_gb"))}
     if isinstance(value, list):
         return [without_timings(v, skip) for v in value]
     return value

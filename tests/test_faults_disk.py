@@ -123,7 +123,7 @@ def test_metrics_log_on_a_full_disk(disk):
     an error, never a hang. The event folder is a second, separate tmpfs, so that the line can fit
     where the event does not (tensorboardX's own writer thread died there and the next add_scalar
     blocked for ever)."""
-    from steprl_jax.training.metrics_log import MetricsLog, read_metrics
+    from steprl_jax.training.metrics_log import MetricsLog, memory_gb, read_metrics
 
     workdir = disk / "run"
     wide = {f"metric/{k}": float(k) for k in range(300)}  # about 6 KB per line and per event
@@ -158,7 +158,8 @@ def test_metrics_log_on_a_full_disk(disk):
         assert [r["step"] for r in rows] == [0, 1, 2] and rows[1]["metric/299"] == 299.0
         assert all(line.endswith("}") for line in path.read_text().splitlines())
         logged = [(e.step, len(e.summary.value)) for e in _tf_records(events) if e.summary.value]
-        assert logged == [(0, 300), (1, 300), (2, 1)]
+        memory = len(memory_gb())  # the process's memory, on every line and event
+        assert logged == [(0, 300 + memory), (1, 300 + memory), (2, 1 + memory)]
 
 
 def _raised(fn, *args):

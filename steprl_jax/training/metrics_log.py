@@ -4,7 +4,8 @@
     log.write(step, {"reward/mean": 0.6, "clipfrac": 0.0})
     log.close()
 
-Each line is {"stage", "step", "time", **metrics}, written with one append and fsynced. A resumed
+Each line is {"stage", "step", "time", "rss_gb", "peak_rss_gb", **metrics} (the process's resident
+memory now and at its peak, GiB, Linux), written with one append and fsynced. A resumed
 run may repeat steps it logged after its last checkpoint; readers keep the last line per
 (stage, step) (`read_metrics`). TensorBoard events go to `tb/<stage>/`: one event per update with
 every scalar, framed as TensorBoard's records (tensorboardX's protos; no TensorFlow needed) and
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 import socket
 import struct
 import time
@@ -36,12 +38,25 @@ class MetricsLog:
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         clean = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
+        clean = {**memory_gb(), **clean}
         line = json.dumps({"stage": self.stage, "step": int(step), "time": time.time(), **clean}) + "\n"
         append_whole(self.path, line.encode())
         self._events.scalars(int(step), {f"{self.stage}/{key}": value for key, value in clean.items()})
 
     def close(self) -> None:
         pass  # every write is on disk when it returns
+
+
+def memory_gb() -> dict:
+    """{"rss_gb", "peak_rss_gb"}: this process's resident memory now and at its peak, in GiB
+    ({} where /proc is not there). A run that grows from update to update shows here first."""
+    try:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return {}
+    # ru_maxrss is in KiB on Linux
+    return {"rss_gb": rss / 2**30, "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
 class EventFile:
