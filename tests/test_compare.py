@@ -137,3 +137,38 @@ def test_bad_workdirs_name_the_file(tmp_path, capsys):
 
     with pytest.raises(FileNotFoundError, match="no such workdir"):
         compare.load_run(missing)
+
+
+def _set_per_question(workdir, iteration, accuracy):
+    """Gives an eval file per-question terms: question i answered right when accuracy[i]."""
+    path = os.path.join(workdir, "eval", f"iter_{iteration:05d}.metrics.json")
+    with open(path) as f:
+        data = json.load(f)
+    data["ci"]["per_question"] = {
+        f"q{i}": {"accuracy": [float(a), 1.0], "tool_steps": [2.0 + a, 1.0], "unanswerable": [0.0, 1.0],
+                  "format_reward": [0.25 * a, 2.0]} for i, a in enumerate(accuracy)}
+    with open(path, "w") as f:
+        json.dump(data, f)
+
+
+def test_paired_differences_from_the_warm_start_on_the_same_questions(tmp_path, capsys):
+    a = _write_run(tmp_path, "portool", "portool", {0: 0.2, 5: 0.4})
+    b = _write_run(tmp_path, "grpo", "grpo", {5: 0.3})
+    _set_per_question(a, 0, [1, 0, 0, 1, 0, 0, 0, 0])
+    _set_per_question(a, 5, [1, 1, 1, 1, 1, 1, 0, 0])  # +4 of 8 questions
+    _set_per_question(b, 5, [1, 0, 0, 1, 0, 0, 0, 0, 1])  # q8 was not in the warm start's set
+    prefix = str(tmp_path / "c")
+    assert compare.main([a, b, "--out", prefix]) == 0
+    printed = capsys.readouterr().out
+    assert printed == open(prefix + ".md").read()
+    rows = [line for line in printed.split("\n") if line.startswith("| portool | 8 |") or line.startswith("| grpo |")]
+    portool = next(r for r in rows if r.startswith("| portool | 8 |"))
+    cells = [c.strip() for c in portool.strip("|").split("|")]
+    assert cells[2].startswith("+0.500 [") and cells[2].endswith("*")  # 8 of 8 draws gain: excludes 0
+    assert cells[3].startswith("+0.500 [")  # tool steps 2 + a
+    assert cells[4] == "+0.000 [+0.000, +0.000]"
+    grpo = next(r for r in rows if r.startswith("| grpo | 8 |"))  # the 8 shared questions only
+    assert [c.strip() for c in grpo.strip("|").split("|")][2].startswith("+0.000 [")
+    data = json.load(open(prefix + ".json"))
+    assert data["rows"][1]["vs_warm_start"]["accuracy"]["n"] == 8
+    assert "vs_warm_start" not in data["rows"][0]

@@ -8,6 +8,11 @@ iterations, 00000 = the warm-started policy; its "ci" maps each paper metric to
 {value, lo, hi, n}, a 95% bootstrap interval). Prints a markdown table, one row per method from
 its last evaluation, after a first row for the warm start (iteration 0 of the first workdir that
 has it), and writes PATH_PREFIX.md, PATH_PREFIX.json and PATH_PREFIX.png (default `comparison`).
+
+Where the evaluations hold each question's terms ("ci" -> "per_question"), a second table gives
+each method's difference from the warm start on the questions both answered, with a paired
+bootstrap interval (`stats.paired_diff_ci`): far narrower than two separate intervals when both
+policies find the same questions easy or hard.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ from collections import Counter
 from typing import Sequence
 
 from steprl_jax.evaluation.metrics import save_figure_atomic, write_json_atomic, write_text_atomic
+from steprl_jax.evaluation.stats import paired_diff_ci
 from steprl_jax.training.metrics_log import read_metrics
 
 PAPER_METRICS = {"accuracy": "accuracy", "tool_steps": "mean tool-call steps",
@@ -35,14 +41,19 @@ def _read_json(path: str):
         raise ValueError(f"{path}: malformed JSON ({error})") from None
 
 
-def _read_eval(path: str) -> dict:
-    """{metric: {value, lo, hi, n}} of the paper metrics in one evaluation file."""
+def _read_eval(path: str) -> tuple:
+    """({metric: {value, lo, hi, n}} of the paper metrics, {question: {metric: [num, den]}}) of
+    one evaluation file (the second empty where the file has no per-question terms)."""
     data = _read_json(path)
     ci = data.get("ci") if isinstance(data, dict) else None
     missing = [m for m in PAPER_METRICS if not isinstance(ci, dict) or not isinstance(ci.get(m), dict)]
     if missing:
         raise ValueError(f"{path}: no 'ci' entry for {missing}")
-    return {m: {k: ci[m].get(k) for k in ("value", "lo", "hi", "n")} for m in PAPER_METRICS}
+    per_question = ci.get("per_question")
+    if not isinstance(per_question, dict) or not all(
+            isinstance(terms, dict) and all(m in terms for m in PAPER_METRICS) for terms in per_question.values()):
+        per_question = {}
+    return {m: {k: ci[m].get(k) for k in ("value", "lo", "hi", "n")} for m in PAPER_METRICS}, per_question
 
 
 def _reward_curve(workdir: str) -> list:
@@ -66,11 +77,13 @@ def load_run(workdir: str) -> dict:
         raise ValueError(f"{manifest_path}: expected an object with job 'rl' and an 'algorithm'")
     eval_dir = os.path.join(workdir, "eval")
     names = sorted(os.listdir(eval_dir)) if os.path.isdir(eval_dir) else []
-    evals = {int(m.group(1)): _read_eval(os.path.join(eval_dir, n))
-             for n in names if (m := _EVAL_FILE.fullmatch(n))}
-    if not evals:
+    read = {int(m.group(1)): _read_eval(os.path.join(eval_dir, n))
+            for n in names if (m := _EVAL_FILE.fullmatch(n))}
+    if not read:
         raise FileNotFoundError(f"{eval_dir}: no iter_NNNNN.metrics.json evaluation files")
-    return {"workdir": workdir, "algorithm": str(manifest["algorithm"]), "evals": evals,
+    return {"workdir": workdir, "algorithm": str(manifest["algorithm"]),
+            "evals": {it: cis for it, (cis, _) in read.items()},
+            "per_question": {it: terms for it, (_, terms) in read.items()},
             "reward_mean": _reward_curve(workdir)}
 
 
@@ -93,6 +106,12 @@ def comparison(runs: Sequence[dict]) -> dict:
     for label, run in zip(_labels(runs), runs):
         last = max(run["evals"])
         rows.append({"method": label, "workdir": run["workdir"], "iterations": last, **run["evals"][last]})
+        if warm is not None:
+            before, after = warm["per_question"][0], run["per_question"][last]
+            paired = {m: paired_diff_ci({q: t[m] for q, t in before.items()}, {q: t[m] for q, t in after.items()})
+                      for m in PAPER_METRICS}
+            if any(paired.values()):
+                rows[-1]["vs_warm_start"] = paired
         curves.append({"method": label, "iterations": sorted(run["evals"]),
                        **{m: [run["evals"][i][m] for i in sorted(run["evals"])] for m in PAPER_METRICS},
                        "reward_mean": run["reward_mean"]})
@@ -115,6 +134,24 @@ def markdown_table(rows: Sequence[dict]) -> str:
     for row in rows:
         cells = [row["method"], str(row["iterations"]), *(_cell(row[m]) for m in PAPER_METRICS)]
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def paired_table(rows: Sequence[dict]) -> str:
+    """The methods' differences from the warm start on the same questions ("" if there are none)."""
+    paired = [row for row in rows if row.get("vs_warm_start")]
+    if not paired:
+        return ""
+    head = ["method", "questions", *PAPER_METRICS.values()]
+    lines = ["Difference from the warm start on the same questions (paired bootstrap, 95%; * the "
+             "interval excludes 0):", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in paired:
+        diffs = row["vs_warm_start"]
+        n = max(d["n"] for d in diffs.values() if d)
+        cells = ["n/a" if d is None else
+                 f"{d['value']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]{' *' if d['excludes_zero'] else ''}"
+                 for d in (diffs[m] for m in PAPER_METRICS)]
+        lines.append("| " + " | ".join([row["method"], str(n), *cells]) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -156,6 +193,9 @@ def main(argv=None) -> int:
         return 2
     result = comparison(runs)
     table = markdown_table(result["rows"])
+    paired = paired_table(result["rows"])
+    if paired:
+        table += "\n" + paired
     print(table, end="")
     write_text_atomic(args.out + ".md", table)
     write_json_atomic(args.out + ".json", result)
