@@ -172,3 +172,10 @@ def test_paired_differences_from_the_warm_start_on_the_same_questions(tmp_path, 
     data = json.load(open(prefix + ".json"))
     assert data["rows"][1]["vs_warm_start"]["accuracy"]["n"] == 8
     assert "vs_warm_start" not in data["rows"][0]
+
+
+def test_the_warm_start_alone_is_not_compared_with_itself(tmp_path, capsys):
+    a = _write_run(tmp_path, "warm", "portool", {0: 0.2})
+    _set_per_question(a, 0, [1, 0, 1])
+    assert compare.main([a, "--out", str(tmp_path / "c")]) == 0
+    assert "Difference from the warm start" not in capsys.readouterr().out

@@ -96,7 +96,7 @@ def test_projection_values_and_grads(eq, xs, ws):
 
 
 def test_projection_weight_gradient_transposes_the_activation():
-    """The weight gradient is a plain matmul of the explicitly transposed activation."""
+    """In float32, the weight gradient is a plain matmul of the explicitly transposed activation."""
     from steprl_jax.ops.matmul import projection
     x, w = jnp.ones((8, 4)), jnp.ones((4, 6))
     jaxpr = jax.make_jaxpr(jax.grad(lambda x, w: jnp.sum(projection("bd,df->bf", x, w)),

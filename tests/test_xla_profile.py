@@ -31,3 +31,34 @@ def test_a_traced_call_times_every_matmul_and_the_other_ops(tmp_path):
     assert all(r[1] > 0 and r[2] >= 1 for r in rows)
     table = xla_profile.format_rows(rows, wall, matmul_rate=1e11)
     assert "| matmul" in table and "in XLA ops" in table
+
+
+HLO = """\
+%fused_computation.1 (param_0: bf16[8,16], param_1: bf16[16,4]) -> f32[8,4] {
+  %param_0 = bf16[8,16]{1,0} parameter(0)
+  %param_1 = bf16[16,4]{1,0} parameter(1)
+  ROOT %dot.1 = f32[8,4]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_computation.2 (param_0.1: f32[8,4], param_1.1: f32[4,2]) -> (f32[8,4], f32[8,2]) {
+  %param_0.1 = f32[8,4]{1,0} parameter(0)
+  %param_1.1 = f32[4,2]{1,0} parameter(1)
+  %dot.2 = f32[8,2]{1,0} dot(%param_0.1, %param_1.1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %tuple = (f32[8,4]{1,0}, f32[8,2]{1,0}) tuple(%param_0.1, %dot.2)
+}
+
+ENTRY %main (a: bf16[8,16], b: bf16[16,4], c: f32[4,2]) -> f32[8,2] {
+  %a = bf16[8,16]{1,0} parameter(0)
+  %b = bf16[16,4]{1,0} parameter(1)
+  %c = f32[4,2]{1,0} parameter(2)
+  %ynn_fusion = f32[8,4]{1,0} fusion(%a, %b), kind=kCustom, calls=%fused_computation.1
+  %loop_fusion = (f32[8,4]{1,0}, f32[8,2]{1,0}) fusion(%ynn_fusion, %c), kind=kLoop, calls=%fused_computation.2
+  ROOT %gte = f32[8,2]{1,0} get-tuple-element(%loop_fusion), index=1
+}
+"""
+
+
+def test_matmul_ops_read_fusions_with_tuple_results_and_tell_bf16_from_f32():
+    ops = xla_profile.matmul_ops(HLO)
+    assert ops == {"ynn_fusion": (2 * 8 * 4 * 16, "bf16"), "loop_fusion": (2 * 8 * 2 * 4, "f32")}
+    assert xla_profile.dot_flops_by_type(HLO, runs={"ynn_fusion": 3}) == {"bf16": 3 * 1024, "f32": 128}

@@ -27,7 +27,7 @@ import re
 import tempfile
 import time
 
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\S+) ([\w\-]+)\((.*?)\)(.*)$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\(.*?\)|\S+) ([\w\-]+)\((.*?)\)(.*)$")
 _HEADER = re.compile(r"^(?:ENTRY )?%([\w.\-]+) \(.*\{\s*$")
 
 

@@ -106,7 +106,7 @@ def comparison(runs: Sequence[dict]) -> dict:
     for label, run in zip(_labels(runs), runs):
         last = max(run["evals"])
         rows.append({"method": label, "workdir": run["workdir"], "iterations": last, **run["evals"][last]})
-        if warm is not None:
+        if warm is not None and not (run is warm and last == 0):
             before, after = warm["per_question"][0], run["per_question"][last]
             paired = {m: paired_diff_ci({q: t[m] for q, t in before.items()}, {q: t[m] for q, t in after.items()})
                       for m in PAPER_METRICS}

@@ -11,7 +11,7 @@ Restricted to two-operand einsums written without `...`, where every index of an
 appears in the other operand or in the output (true of every projection in a transformer).
 
 `projection` is the same for the weight products of a layer (no index shared by the two
-operands survives, so it is one 2-D matmul): its backward transposes the activation
+operands survives, so it is one 2-D matmul): in float32 its backward transposes the activation
 explicitly for the weight gradient, `dW = x^T g`, and multiplies `dx = g W^T`. Left to itself,
 XLA:CPU fuses the transpose it needs into the elementwise producer of `g` (silu's backward,
 the sum of rope's cotangents) and writes that fusion column by column: 23 ms for a
@@ -19,7 +19,8 @@ the sum of rope's cotangents) and writes that fusion column by column: 23 ms for
 activation costs ~1 ms. An MLP's forward + backward ran 1.6x faster in float32 and ~1.2x in
 bf16 on a 2-core CPU. With bf16 operands the explicit transposes are not enough: XLA folds them
 into the dots, then runs those dots in float32; both backward products are therefore written
-as contractions over two halves (`_einsum_f32`), which stay bf16 (another ~1.5x on the MLP).
+as contractions over two halves (`_einsum_f32`; an odd summed size keeps the plain dot), which
+stay bf16 (another ~1.5x on the MLP).
 """
 from __future__ import annotations
 
@@ -49,9 +50,9 @@ def _parse(eq: str):
 
 
 def _einsum_f32(eq: str, a: jax.Array, b: jax.Array) -> jax.Array:
-    """`einsum(eq, a, b)` accumulated in float32; a contraction over one index that is not
-    `a`'s last axis, or (low-precision operands) that is a 2-D `b`'s last axis, is written as
-    a contraction over two halves of it (the same sum).
+    """`einsum(eq, a, b)` accumulated in float32; a contraction over one index of even size
+    that is not `a`'s last axis, or (low-precision operands) that is a 2-D `b`'s last axis, is
+    written as a contraction over two halves of it (the same sum).
 
     Why: XLA:CPU sends a dot whose left operand is contracted over a non-minor axis (the weight
     gradient `x^T g` of a 2-D projection, attention's `P^T dO`) to a fallback that upcasts

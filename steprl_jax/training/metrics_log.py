@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import resource
 import socket
 import struct
 import time
@@ -51,12 +50,11 @@ def memory_gb() -> dict:
     """{"rss_gb", "peak_rss_gb"}: this process's resident memory now and at its peak, in GiB
     ({} where /proc is not there). A run that grows from update to update shows here first."""
     try:
-        with open("/proc/self/statm") as f:
-            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
+        with open("/proc/self/status") as f:
+            kib = {line.split(":")[0]: int(line.split()[1]) for line in f if line.startswith(("VmRSS", "VmHWM"))}
+        return {"rss_gb": kib["VmRSS"] / 2**20, "peak_rss_gb": kib["VmHWM"] / 2**20}
+    except (OSError, ValueError, IndexError, KeyError):
         return {}
-    # ru_maxrss is in KiB on Linux
-    return {"rss_gb": rss / 2**30, "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
 class EventFile:
