@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from steprl_jax.evaluation.metrics import CI_METRICS, save_figure_atomic, write_json_atomic, write_text_atomic
-from steprl_jax.evaluation.stats import paired_diff_ci
+from steprl_jax.evaluation.stats import diff_cell, paired_diff_ci
 from steprl_jax.training.metrics_log import read_metrics
 
 _TITLES = {"accuracy": "accuracy", "process_correctness": "process correctness", "mean_actions": "actions / episode"}
@@ -46,12 +46,7 @@ def markdown(table: dict) -> str:
                   "| policy | " + " | ".join(_TITLES[m] for m in CI_METRICS) + " |",
                   "|---|" + "---|" * len(CI_METRICS)]
         for name, d in diffs:
-            cells = []
-            for m in CI_METRICS:
-                ci = d[m]
-                mark = " (excludes 0)" if ci and ci["excludes_zero"] else ""
-                cells.append(("n/a" if ci is None else
-                              f"{ci['value']:+.3f} [{ci['lo']:+.3f}, {ci['hi']:+.3f}]{mark}"))
+            cells = [diff_cell(d[m], " (excludes 0)") for m in CI_METRICS]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

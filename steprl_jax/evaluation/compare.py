@@ -25,7 +25,7 @@ from collections import Counter
 from typing import Sequence
 
 from steprl_jax.evaluation.metrics import save_figure_atomic, write_json_atomic, write_text_atomic
-from steprl_jax.evaluation.stats import paired_diff_ci
+from steprl_jax.evaluation.stats import diff_cell, paired_diff_ci
 from steprl_jax.training.metrics_log import read_metrics
 
 PAPER_METRICS = {"accuracy": "accuracy", "tool_steps": "mean tool-call steps",
@@ -148,9 +148,7 @@ def paired_table(rows: Sequence[dict]) -> str:
     for row in paired:
         diffs = row["vs_warm_start"]
         n = max(d["n"] for d in diffs.values() if d)
-        cells = ["n/a" if d is None else
-                 f"{d['value']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]{' *' if d['excludes_zero'] else ''}"
-                 for d in (diffs[m] for m in PAPER_METRICS)]
+        cells = [diff_cell(diffs[m], " *") for m in PAPER_METRICS]
         lines.append("| " + " | ".join([row["method"], str(n), *cells]) + " |")
     return "\n".join(lines) + "\n"
 

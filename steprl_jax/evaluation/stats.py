@@ -52,3 +52,11 @@ def paired_diff_ci(a: dict, b: dict, *, seed: int = 0, level: float = 0.95) -> O
     lo, hi = np.nanpercentile(draws, [50 * (1 - level), 50 * (1 + level)])
     return {"value": float(nb.sum() / db.sum() - na.sum() / da.sum()), "lo": float(lo), "hi": float(hi),
             "n": len(keys), "excludes_zero": bool(lo > 0 or hi < 0)}
+
+
+def diff_cell(ci: Optional[dict], mark: str) -> str:
+    """A `paired_diff_ci` result as a table cell: '+0.125 [-0.031, +0.281]', then `mark` when
+    the interval excludes 0; 'n/a' for None."""
+    if ci is None:
+        return "n/a"
+    return f"{ci['value']:+.3f} [{ci['lo']:+.3f}, {ci['hi']:+.3f}]{mark if ci['excludes_zero'] else ''}"
