@@ -34,7 +34,9 @@ def rl_config() -> ConfigDict:
         warm_start=ConfigDict(dict(source="", updates=0, batch_size=8, learning_rate=1e-5, num_microbatches=1,
                                    max_microbatch_tokens=MAX_MICROBATCH_TOKENS,
                                    max_row_tokens=4096)),
-        portool=ConfigDict(dict(w1=1.0, w2=1.0, rescale_fork_weight=True, ddof=0,
+        # discount_failures: gamma**(T - t) multiplies every outcome, as the paper writes it; False
+        # discounts successes only (a discounted -1 pays a wrong answer for coming later).
+        portool=ConfigDict(dict(w1=1.0, w2=1.0, rescale_fork_weight=True, ddof=0, discount_failures=True,
                                 eps_low=0.2, eps_high=0.2, agg="query_token_mean",
                                 token_weighting="per_trajectory")),
         grpo=ConfigDict(dict(eps_low=0.2, eps_high=0.2, kl_coef=0.0, agg="seq_mean_token_mean", ddof=1)),

@@ -115,6 +115,22 @@ def test_fork_siblings_tie_uses_mean():
     np.testing.assert_allclose(a, expected, rtol=1e-5, atol=1e-6)
 
 
+def test_discounted_failures_pay_a_later_wrong_answer_unless_switched_off():
+    # first steps 0 (a leaf: answers at once, -1) and 1 -> 2 -> 3 (answers at step 3, -1)
+    parent, outcome = [-1, -1, 1, 2], [-1, 0, 0, -1]
+    r, a = run_tree(parent, outcome)  # the paper's formula: gamma**(T - t) * R_out for every outcome
+    np.testing.assert_allclose(r, [-1.0, -0.81, -0.9, -1.0], atol=1e-6)
+    w2_eff = 2 / 1  # 2 trajectories, the prompt forks
+    np.testing.assert_allclose(a[:2], w2_eff * z([-1.0, -0.81]), rtol=1e-5, atol=1e-6)
+    assert a[1] > 0 > a[0]  # the same wrong answer, given two steps later, is pushed up
+    r, a = run_tree(parent, outcome, discount_failures=False)
+    np.testing.assert_allclose(r, [-1.0, -1.0, -1.0, -1.0], atol=1e-6)  # tie -> means, all -1
+    np.testing.assert_allclose(a, [0, 0, 0, 0], atol=1e-6)
+    # successes are still discounted: the shorter of two right answers wins the fork
+    r, _ = run_tree(parent, [1, 0, 0, 1], discount_failures=False)
+    np.testing.assert_allclose(r, [1.0, 0.81, 0.9, 1.0], atol=1e-6)
+
+
 def test_shared_step_mixed_outcomes_unable_leaf_fm_cap():
     # first steps 0 and 5(-1, a leaf); 0 -> 1 -> {2(+1), 3(+1), 4(0 unable)}
     fm = [0.0, 0.0, -1.0, 0.0, 1.0, 0.0]

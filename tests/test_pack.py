@@ -9,7 +9,9 @@ from flax import nnx
 from steprl_jax.models import ModelConfig, Transformer, attention
 from steprl_jax.training.config import LossConfig, TrainStepConfig
 from steprl_jax.training.forward import sequence_logprobs
-from steprl_jax.training.pack import Row, Span, cheapest_layout, layout_cost, pack, regroup, share_prefix
+from steprl_jax.models.attention import KEY_BLOCK, query_block
+from steprl_jax.training.pack import (Row, Span, attended_keys, cheapest_layout, layout_cost, pack, regroup, row_length,
+                                      share_prefix)
 from steprl_jax.training.step import make_loss_and_grad
 
 CFG = ModelConfig.tiny(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -130,25 +132,41 @@ def test_regroup_splits_branches_and_keeps_every_loss_token():
         assert np.array_equal(a.advantages[a.loss_mask > 0], b.advantages[b.loss_mask > 0])
 
 
+def test_rows_are_padded_to_two_lengths_an_octave_up_to_1024_then_eight():
+    assert [row_length(n) for n in (1, 65, 100, 700, 867, 1024)] == [64, 96, 128, 768, 1024, 1024]
+    assert [row_length(n) for n in (1025, 1112, 2048, 2049, 3100, 4097)] == [1152, 1152, 2048, 2560, 3584, 4608]
+    for n in (1100, 1900, 2100, 3000, 5000, 9000):  # key blocks need the query block to divide the row
+        length = row_length(n)
+        assert length - n < max(length / 8, 512) and length % query_block(length) == 0 and query_block(length) % KEY_BLOCK == 0
+    assert pack([_fan(100, [95] * 12)]).tokens.shape == (1, 1280)  # 1,251 tokens
+
+
 def test_cheapest_layout_follows_the_attention_cost():
-    # 8 completions of 95 tokens behind a 100-token prompt: packed, one 867-token row (bucket
-    # 1024); flat, 8 rows of 196 (bucket 256), twice the tokens; in between, 2 rows of 4
-    # branches (483 tokens, bucket 512). Cheap attention: the fewest padded tokens (packed or
-    # 2 x 512); dear attention: 2 x 512, cheaper than both ends.
+    # A prompt-heavy fan: 8 completions of 95 tokens behind a 100-token prompt. Packed, one
+    # 867-token row (1,024 padded) whose queries attend over one path (195 keys, plus a query
+    # block that may straddle two branches); flat, 8 rows of 195 (256 padded), twice the tokens.
+    # Packed wins whatever attention costs.
     row = _fan(100, [95] * 8)
-    padded = lambda rows: pack(rows).tokens.size
-    assert padded(cheapest_layout([row], attention_length=1e9)) == 1024 == padded([row]) < padded(regroup([row], 0))
-    dear = cheapest_layout([row], attention_length=256)
-    assert [len(r) for r in dear] == [483, 483]
-    cost = lambda rows: layout_cost([len(r) for r in rows], attention_length=256)
-    assert cost(dear) == 2 * 512 * 3 < cost(regroup([row], 0)) == 8 * 256 * 2 < cost([row]) == 1024 * 5
-    # Short actions behind a long shared state: packing wins even when attention is dear.
+    flat = regroup([row], 0)
+    cost = lambda rows, att: layout_cost(rows, attention_length=att)  # noqa: E731
+    for att in (1e9, 256):
+        assert cheapest_layout([row], attention_length=att) == [row]
+    assert attended_keys(row) == 195 + 128 and attended_keys(flat[0]) == len(flat[0]) == 195
+    assert cost([row], 256) == 1024 * (1 + 323 / 256) < cost(flat, 256) == 8 * 256 * (1 + 195 / 256)
+    # A completion-heavy fan: 8 x 400 tokens behind 10. Packed has the fewest tokens (3,217 ->
+    # 3,584 against 8 x 512), the choice when attention is cheap; when it is dear, each query's
+    # keys count (538 packed, 410 flat) and the flat rows win.
+    wide = _fan(10, [400] * 8)
+    assert cheapest_layout([wide], attention_length=1e9) == [wide]
+    assert cheapest_layout([wide], attention_length=256) == regroup([wide], 0)
+    assert cost([wide], 256) == 3584 * (1 + 538 / 256) > cost(regroup([wide], 0), 256) == 8 * 512 * (1 + 410 / 256)
+    # Short actions behind a long shared state: packed.
     state = _fan(900, [8] * 8)
     assert cheapest_layout([state], attention_length=256) == [state]
     # rows without branches pass through; the micro-batch multiple counts padding rows
-    flat = regroup([row], 0)
     assert cheapest_layout(flat, attention_length=256) == flat
-    assert layout_cost([100] * 3, attention_length=1e9, num_microbatches=4) == 4 * 128 * (1 + 128 / 1e9)
+    three = [Row([Span(list(range(1, 101)))])] * 3
+    assert layout_cost(three, attention_length=1e9, num_microbatches=4) == 4 * 128 * (1 + 100 / 1e9)
 
 
 def test_a_tree_row_equals_one_row_per_path():

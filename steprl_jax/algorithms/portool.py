@@ -1,8 +1,8 @@
 """PORTool (METHODS 2.3-2.6): rollout trees, step importance rewards, fork + trajectory advantages.
 
 Each query's judged tree goes through `ops.advantages.tree_advantages` (`config.rl.gamma`, adaptive
-max/mean G, R_fm capped at `config.rl.fm_scale`, w1, w2 with the n_forks rescale in
-`config.rl.portool`), one advantage per
+max/mean G, R_fm capped at `config.rl.fm_scale`, w1, w2 with the n_forks rescale and whether
+gamma discounts failures too in `config.rl.portool`), one advantage per
 step node, on every token of that step. The loss is the clipped token-level surrogate without
 KL, averaged over the generated tokens of the query's trajectories (`query_token_mean` weights,
 agents/tree_batch.py); how a step shared by several trajectories counts is
@@ -37,17 +37,19 @@ def tree_step_advantages(trees: Sequence[TreeRecord], config) -> tuple[list[np.n
     valid = np.stack([np.arange(size) < len(a[0]) for a in arrays])
     s = config.rl.portool
     r, a = _advantages_fn(float(config.rl.gamma), float(config.rl.fm_scale), float(s.w1), float(s.w2),
-                          bool(s.rescale_fork_weight), int(s.ddof))(parent, outcome, fm, valid)
+                          bool(s.rescale_fork_weight), int(s.ddof),
+                          bool(s.get("discount_failures", True)))(parent, outcome, fm, valid)
     r, a = np.asarray(r), np.asarray(a)
     return [r[i, :len(x[0])] for i, x in enumerate(arrays)], [a[i, :len(x[0])] for i, x in enumerate(arrays)]
 
 
 @functools.lru_cache(maxsize=None)
-def _advantages_fn(gamma, fm_scale, w1, w2, rescale, ddof):
+def _advantages_fn(gamma, fm_scale, w1, w2, rescale, ddof, discount_failures):
     """One jitted, vmapped program per setting (a new jit per call would retrace every iteration)."""
     def one(parent, outcome, fm, valid):
         return tree_advantages(parent, outcome, fm, gamma=gamma, fm_scale=fm_scale, w1=w1, w2=w2,
-                               rescale_fork_weight=rescale, valid_n=valid, ddof=ddof)
+                               rescale_fork_weight=rescale, valid_n=valid, ddof=ddof,
+                               discount_failures=discount_failures)
     return jax.jit(jax.vmap(one))
 
 

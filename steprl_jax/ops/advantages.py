@@ -120,7 +120,7 @@ def tree_structure(parent_n, valid_n):
 def tree_advantages(parent_n, leaf_outcome_n, fm_reward_n, *, gamma: float = 0.95,
                     fm_scale: float = 0.25, w1: float = 1.0, w2: float = 1.0,
                     rescale_fork_weight: bool = True, valid_n=None, eps: float = DEFAULT_EPS,
-                    ddof: int = 0) -> Tuple[jax.Array, jax.Array]:
+                    ddof: int = 0, discount_failures: bool = True) -> Tuple[jax.Array, jax.Array]:
     """PORTool step rewards `R_n` and advantages `A_n` for ONE query's tree (METHODS 2.4-2.5).
 
     Nodes are steps. `parent_n[i]` is the node before step i (-1 for a first step); a
@@ -130,7 +130,11 @@ def tree_advantages(parent_n, leaf_outcome_n, fm_reward_n, *, gamma: float = 0.9
     (`tree_arrays.validate_tree`): a cycle cannot raise here.
 
       depth t(s) counts from 1; T_k = depth of leaf k; m(s) = leaves below or at s.
-      v(s, k) = gamma**(T_k - t(s)) * R_out(k) for k in m(s).
+      v(s, k) = gamma**(T_k - t(s)) * R_out(k) for k in m(s) (the paper's formula).
+         With `discount_failures=False`, v(s, k) = R_out(k) where R_out(k) < 0: the discount
+         favours shorter successful continuations only. Discounting a failure as well makes
+         a wrong answer given later score above the same answer given sooner (-gamma**5 >
+         -1), so on trees whose outcomes are mostly wrong the fork term pays for more steps.
       G: per sibling set C(p) (first steps are siblings under the prompt), if the max-aggregates
          max_k v(s, k) differ across the set, R uses them; if they all tie, R uses the means.
          A node without siblings is a one-member set, hence uses the mean.
@@ -161,6 +165,8 @@ def tree_advantages(parent_n, leaf_outcome_n, fm_reward_n, *, gamma: float = 0.9
     member_sk = anc_nn.T & is_leaf_n[None, :]
     n_member_s = jnp.sum(member_sk, axis=1).astype(jnp.float32)
     disc_sk = jnp.power(jnp.float32(gamma), depth_f[None, :] - depth_f[:, None])
+    if not discount_failures:
+        disc_sk = jnp.where(out_n[None, :] < 0, 1.0, disc_sk)
     val_sk = jnp.where(member_sk, disc_sk * out_n[None, :], 0.0)
     max_s = jnp.max(jnp.where(member_sk, val_sk, -jnp.inf), axis=1)
     max_s = jnp.where(n_member_s > 0, max_s, 0.0)

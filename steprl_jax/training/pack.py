@@ -22,7 +22,8 @@ tokens once (agents/tree_batch.py):
 Branches are numbered in depth-first preorder; a token sees its own branch and its
 ancestors (the interval test of `Transformer.hidden_states` on branch ids and ends).
 
-Shapes are bounded: the row length is rounded up to a bucket (`sampling.params.bucket`), and
+Shapes are bounded: the row length is rounded up (`row_length`: two lengths an octave up to
+1,024 tokens, eight above, where padding is dear), and
 the number of rows to a multiple of micro-batches x data shards (and to `min_rows`) with
 empty padding rows, so a run compiles a handful of train-step programs.
 """
@@ -34,7 +35,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from steprl_jax.models.attention import key_block_table
+from steprl_jax.models.attention import CAUSAL_QUERY_BLOCK, key_block_table
 from steprl_jax.sampling.params import bucket
 from steprl_jax.training.batch import Batch, make_batch
 
@@ -198,23 +199,54 @@ def _open(branch: Row) -> list:
     return out
 
 
-def layout_cost(lengths: Sequence[int], *, attention_length: float, num_microbatches: int = 1,
+def row_length(n: int, minimum: int = 64) -> int:
+    """The padded length of a row of `n` tokens: `bucket` up to 1,024 (two lengths an octave);
+    above, where rows are dear, the next multiple of an eighth of the octave (at most 12.5%
+    padding), but of 512 tokens at least beyond 2,048: the row must be a multiple of
+    `causal_attention`'s query block (a sixteenth of the row there), itself of whole key
+    blocks, for packed tree rows to gather key blocks."""
+    n = max(int(n), int(minimum), 1)
+    if n <= 1024:
+        return bucket(n, minimum)
+    step = max(1 << ((n - 1).bit_length() - 4), 128 if n <= 2048 else 512)
+    return -(-n // step) * step
+
+
+def attended_keys(row: Row) -> int:
+    """Keys a query of `row` attends over, about: the row's length without branches; with
+    branches (gathered key blocks, `models.attention.key_block_table`) its longest root-to-leaf
+    path plus a query block, since a block of queries may straddle two branches."""
+    if not row.branches:
+        return len(row)
+    return min(len(row), _longest_path(row.prefix, row.branches) + CAUSAL_QUERY_BLOCK)
+
+
+def _longest_path(spans, branches) -> int:
+    own = sum(len(s.ids) for s in spans)
+    return own + max((_longest_path(b.prefix, b.branches) if isinstance(b, Row) else sum(len(s.ids) for s in b)
+                      for b in branches), default=0)
+
+
+def layout_cost(rows: Sequence[Row], *, attention_length: float, num_microbatches: int = 1,
                 num_data_shards: int = 1, min_rows: int = 0, min_length: int = 64) -> float:
-    """Estimated train-step cost of packing rows of these lengths: padded rows x bucketed length
-    x (1 + length / attention_length), where `attention_length` is the row length at which a
-    token's attention costs as much as the rest of its forward and backward."""
-    length = bucket(max(lengths), min_length)
+    """Estimated train-step cost of packing `rows`: padded rows x padded length x (1 + keys /
+    attention_length), where keys are the keys a query attends over (`attended_keys`, at most
+    the padded length) and `attention_length` is the number of keys at which a token's
+    attention costs as much as the rest of its forward and backward."""
+    length = row_length(max(len(r) for r in rows), min_length)
+    keys = min(length, max(attended_keys(r) for r in rows))
     multiple = num_microbatches * num_data_shards
-    n = -(-max(len(lengths), min_rows) // multiple) * multiple
-    return n * length * (1.0 + length / attention_length)
+    n = -(-max(len(rows), min_rows) // multiple) * multiple
+    return n * length * (1.0 + keys / attention_length)
 
 
 def cheapest_layout(rows: Sequence[Row], *, attention_length: float, num_microbatches: int = 1,
                     num_data_shards: int = 1, min_rows: int = 0, min_length: int = 64,
                     max_length: Optional[int] = None) -> list[Row]:
     """`rows` regrouped (`regroup`) to the layout of least `layout_cost`: packing many branches
-    behind one prefix runs the prefix once but makes long rows whose attention grows with the
-    square of their length; one branch per row repeats the prefix but keeps rows short."""
+    behind one prefix runs the prefix once but makes long rows (whose attention, with gathered
+    key blocks, grows with the longest path rather than the row); one branch per row repeats
+    the prefix but keeps rows short."""
     rows = list(rows)
     if not any(row.branches for row in rows):
         return rows
@@ -224,10 +256,9 @@ def cheapest_layout(rows: Sequence[Row], *, attention_length: float, num_microba
         limits.append(limit)
         limit = bucket(limit + 1)
     def cost(layout):
-        lengths = [len(r) for r in layout]
-        if max_length is not None and max(lengths) > max_length:
+        if max_length is not None and max(len(r) for r in layout) > max_length:
             return float("inf")  # pack would refuse it
-        return layout_cost(lengths, attention_length=attention_length, num_microbatches=num_microbatches,
+        return layout_cost(layout, attention_length=attention_length, num_microbatches=num_microbatches,
                            num_data_shards=num_data_shards, min_rows=min_rows, min_length=min_length)
     best, best_cost = rows, cost(rows)
     for limit in limits:  # (0: one path per row)
@@ -252,7 +283,7 @@ def pack(rows: Sequence[Row], *, num_microbatches: int = 1, num_data_shards: int
     if max_length is not None and longest > max_length:
         worst = max(range(len(flats)), key=lambda i: len(flats[i][0]))
         raise ValueError(f"pack: row {worst} has {longest} tokens, more than max_length {max_length}")
-    length = bucket(longest, min_length)
+    length = row_length(longest, min_length)
     multiple = num_microbatches * num_data_shards
     n = -(-max(len(rows), min_rows) // multiple) * multiple
     tokens = np.full((n, length), pad_id, np.int32)
