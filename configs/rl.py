@@ -21,10 +21,11 @@ def rl_config() -> ConfigDict:
         # larger micro-batches fill the chip. 0: exactly num_microbatches.
         max_microbatch_tokens=MAX_MICROBATCH_TOKENS,
         save_every=1, eval_every=5, max_row_tokens=8192,
-        # Rows are regrouped to the layout of least estimated cost, rows x length x (1 + length /
-        # attention_length): the row length at which a token's attention costs as much as the
-        # rest of its forward and backward (measured for SmolLM2-135M on CPU; larger with fused
-        # attention kernels). 0 keeps the rows as the algorithm built them.
+        # Rows are regrouped to the layout of least estimated cost, padded tokens x (1 + keys /
+        # attention_length): keys are what a query attends over (a packed tree row's longest
+        # path, with gathered key blocks), attention_length the keys at which a token's attention
+        # costs as much as the rest of its forward and backward (measured for SmolLM2-135M on
+        # CPU; larger with fused attention kernels). 0 keeps the rows as the algorithm built them.
         attention_length=ATTENTION_LENGTH,
         # shared by PORTool's R_fm cap and the *_fm baselines
         gamma=0.95, fm_scale=0.25,
