@@ -26,6 +26,13 @@ from swirl_helpers import RewardServer, hand_units, smol_tokenizer, tiny_config,
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESH = ["--config.mesh.data=2", "--config.mesh.fsdp=-1"]
 TOL = 1e-5
+# The two set-ups reduce gradients in different orders, and Adam's first step turns those last-bit
+# differences into parameter differences of up to ~1% of the learning rate where a gradient is
+# near zero (7e-6 at lr 1e-3, measured). The next rollouts sample at temperature 1 from a tiny
+# random model, nearly uniform over 49,152 tokens (CDF steps ~2e-5 apart), so at lr 1e-3 a
+# draw could land on the other side of a step: a small learning rate keeps the two runs' draws alike.
+LR = 1e-5
+PARAM_TOL = LR / 20  # a run that sampled or trained differently moves parameters by ~LR
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +92,7 @@ def _same_params(path_a: str, path_b: str) -> None:
     a, b = load_file(path_a), load_file(path_b)
     assert a.keys() == b.keys()
     worst = max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
-    assert worst <= TOL, worst
+    assert worst <= PARAM_TOL, worst
 
 
 def _rl_command(model_dir, base_url):
@@ -95,7 +102,7 @@ def _rl_command(model_dir, base_url):
         "--config.task.num_tasks=4", "--config.rollout.max_new_tokens=12", "--config.rollout.max_steps=2",
         "--config.rollout.max_context=2048", "--config.rollout.tree.n=4", "--config.rollout.temperature=1.0",
         "--config.rl.iterations=2", "--config.rl.queries_per_iteration=2", "--config.rl.eval_every=2",
-        "--config.rl.eval.num_tasks=0", "--config.optimizer.learning_rate=0.001",
+        "--config.rl.eval.num_tasks=0", f"--config.optimizer.learning_rate={LR}",
         "--config.optimizer.max_grad_norm=0.0", "--config.judge.outcome.kind=http",
         f"--config.judge.outcome.base_url={base_url}", "--config.judge.outcome.model=stub",
         "--config.judge.outcome.retries=0"]
@@ -154,7 +161,7 @@ def test_swirl_stage2_on_two_processes_equals_one_process(setup, tmp_path):
                 "--config.swirl.samples_per_question=2", "--config.swirl.filter=none",
                 "--config.swirl.train.group_size=2", "--config.swirl.train.batch_size=2",
                 "--config.swirl.train.updates=2", "--config.swirl.train.save_every=1",
-                "--config.optimizer.learning_rate=0.001", "--config.optimizer.max_grad_norm=0.0",
+                f"--config.optimizer.learning_rate={LR}", "--config.optimizer.max_grad_norm=0.0",
                 "--config.reward.kind=http", "--config.reward.scale=graded",
                 f"--config.reward.base_url={rewards.base_url}", "--config.reward.model=stub",
                 "--config.reward.retries=0"]
