@@ -38,7 +38,7 @@ def tree_step_advantages(trees: Sequence[TreeRecord], config) -> tuple[list[np.n
     s = config.rl.portool
     r, a = _advantages_fn(float(config.rl.gamma), float(config.rl.fm_scale), float(s.w1), float(s.w2),
                           bool(s.rescale_fork_weight), int(s.ddof),
-                          bool(s.get("discount_failures", True)))(parent, outcome, fm, valid)
+                          bool(s.discount_failures))(parent, outcome, fm, valid)
     r, a = np.asarray(r), np.asarray(a)
     return [r[i, :len(x[0])] for i, x in enumerate(arrays)], [a[i, :len(x[0])] for i, x in enumerate(arrays)]
 

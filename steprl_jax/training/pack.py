@@ -23,7 +23,7 @@ Branches are numbered in depth-first preorder; a token sees its own branch and i
 ancestors (the interval test of `Transformer.hidden_states` on branch ids and ends).
 
 Shapes are bounded: the row length is rounded up (`row_length`: two lengths an octave up to
-1,024 tokens, eight above, where padding is dear), and
+1,024 tokens, four to eight above, where padding is dear), and
 the number of rows to a multiple of micro-batches x data shards (and to `min_rows`) with
 empty padding rows, so a run compiles a handful of train-step programs.
 """
