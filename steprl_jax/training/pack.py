@@ -230,11 +230,11 @@ def _longest_path(spans, branches) -> int:
 def layout_cost(rows: Sequence[Row], *, attention_length: float, num_microbatches: int = 1,
                 num_data_shards: int = 1, min_rows: int = 0, min_length: int = 64) -> float:
     """Estimated train-step cost of packing `rows`: padded rows x padded length x (1 + keys /
-    attention_length), where keys are the keys a query attends over (`attended_keys`, at most
-    the padded length) and `attention_length` is the number of keys at which a token's
-    attention costs as much as the rest of its forward and backward."""
+    attention_length), where keys are the keys a query attends over (`attended_keys`) and
+    `attention_length` is the number of keys at which a token's attention costs as much as the
+    rest of its forward and backward."""
     length = row_length(max(len(r) for r in rows), min_length)
-    keys = min(length, max(attended_keys(r) for r in rows))
+    keys = max(attended_keys(r) for r in rows)  # <= the longest row <= length
     multiple = num_microbatches * num_data_shards
     n = -(-max(len(rows), min_rows) // multiple) * multiple
     return n * length * (1.0 + keys / attention_length)
