@@ -9,7 +9,7 @@ tiny model almost never closes a tag, and SmolLM2 with few-shot prompts would co
 192 actions on a CPU.) The tokenizer is byte-level with the two tags as tokens of their own.
 
 The calculator is wrapped by a seeded fault injector registered in the tool registry: per call,
-10% raise, 5% hang (until the run is over, far past their 0.3 s limit) and 5% return 10 MB.
+10% raise, 5% hang (until the run is over, far past their 2 s limit) and 5% return 10 MB.
 """
 import os
 import random
@@ -33,7 +33,7 @@ from steprl_jax.tools.registry import ToolRegistry
 EPISODES, STEPS = 64, 3
 RATES = {"raise": 0.10, "hang": 0.05, "huge": 0.05}  # the rest answer normally
 HUGE_CHARS = 10_000_000  # 10 MB of ASCII
-TIMEOUT_S = 0.3
+TIMEOUT_S = 2.0  # a healthy call takes ~1 ms; on a busy 2-core machine one took over 0.3 s
 HANG_S = 30.0  # a hung call returns after this long: a run that waited for one would show it
 CAP = 64  # rollout.max_result_chars
 ACTION = "<math_exp>12+7</math_exp>"
