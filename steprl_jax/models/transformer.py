@@ -362,6 +362,19 @@ def _default_positions(valid_bt, segments_bt):
     return jnp.maximum(count - count_before_segment - 1, 0)
 
 
+def _write_slots(buf_bksh, new_bkth, index):
+    """buf[:, :, index:index + T] = new, in place. A 16-bit float buffer is written through its
+    integer view: XLA:CPU copied the whole buffer at every bfloat16 dynamic_update_slice
+    (0.26 ms a layer and step for a 64-row, 256-slot SmolLM2 cache) and writes a uint16 one in
+    place (3 us)."""
+    new_bkth = new_bkth.astype(buf_bksh.dtype)
+    if buf_bksh.dtype.itemsize != 2:
+        return jax.lax.dynamic_update_slice(buf_bksh, new_bkth, (0, 0, index, 0))
+    bits = lambda x, dtype: jax.lax.bitcast_convert_type(x, dtype)  # noqa: E731
+    out = jax.lax.dynamic_update_slice(bits(buf_bksh, jnp.uint16), bits(new_bkth, jnp.uint16), (0, 0, index, 0))
+    return bits(out, buf_bksh.dtype)
+
+
 def _decoder_layer(c: ModelConfig, dtype, p: dict, x, cos, sin, bias_bts, cached, key_blocks=None):
     """One layer. `cached` is None (attend over the T tokens themselves) or this layer's cache
     (k, v buffers [B, K, S, H], index): the new keys and values are written at slots
@@ -388,8 +401,8 @@ def _decoder_layer(c: ModelConfig, dtype, p: dict, x, cos, sin, bias_bts, cached
                                 key_blocks=key_blocks)
     else:
         k_buf, v_buf, index = cached
-        k_buf = jax.lax.dynamic_update_slice(k_buf, k.transpose(0, 2, 1, 3).astype(k_buf.dtype), (0, 0, index, 0))
-        v_buf = jax.lax.dynamic_update_slice(v_buf, v.transpose(0, 2, 1, 3).astype(v_buf.dtype), (0, 0, index, 0))
+        k_buf = _write_slots(k_buf, k.transpose(0, 2, 1, 3), index)
+        v_buf = _write_slots(v_buf, v.transpose(0, 2, 1, 3), index)
         kv = (k_buf, v_buf)
         attn = attention(q, k_buf, v_buf, bias_bts, **attend)
     # A plain [B*T, N*H] x [N*H, D] matmul on the row-major weight (a free reshape): with an
