@@ -155,6 +155,14 @@ def finalize_metrics(metric_sums: Dict[str, jax.Array]) -> Dict[str, jax.Array]:
     return out
 
 
+def empty_metrics(like: Dict[str, jax.Array]) -> Dict[str, jax.Array]:
+    """The identity of `combine_metrics` shaped like `like`: 0 for sums, -inf for _max, +inf for _min."""
+    def empty(k, x):
+        fill = -jnp.inf if k.endswith("_max") else jnp.inf if k.endswith("_min") else 0
+        return jnp.full(x.shape, fill, x.dtype)
+    return {k: empty(k, x) for k, x in like.items()}
+
+
 def combine_metrics(a: Dict[str, jax.Array], b: Dict[str, jax.Array]) -> Dict[str, jax.Array]:
     """Merge two metric-sum dicts (micro-batches): sums add, _max/_min reduce."""
     out = {}

@@ -74,6 +74,10 @@ def _split_microbatches(batch: Batch, m: int) -> Batch:
     return jax.tree.map(split, batch)
 
 
+def _first(mbs: Batch) -> Batch:
+    return jax.tree.map(lambda x: x[0], mbs)
+
+
 def microbatch_count(rows: int, length: int, *, num_microbatches: int = 1, max_tokens: int = 0,
                      data_shards: int = 1) -> int:
     """How many micro-batches a [rows, length] batch runs as: `num_microbatches`, or with
@@ -113,10 +117,12 @@ def make_loss_and_grad(graphdef, cfg: TrainStepConfig, mesh: Optional[Mesh] = No
         if count == 1:
             (total, metrics), grads = grad_fn(params, rest, batch)
         else:
+            # One scan over every micro-batch, from the sums' identities: the program holds the
+            # model's forward and backward once (the first micro-batch apart doubled the compile).
             mbs = _split_microbatches(batch, count)
-            first = jax.tree.map(lambda x: x[0], mbs)
-            (total, metrics), grads = grad_fn(params, rest, first)
-            rest_mbs = jax.tree.map(lambda x: x[1:], mbs)
+            (total, metrics), grads = jax.tree.map(
+                lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(grad_fn, params, rest, _first(mbs)))
+            metrics = losses.empty_metrics(metrics)
 
             def body(carry, mb):
                 t_acc, m_acc, g_acc = carry
@@ -124,7 +130,7 @@ def make_loss_and_grad(graphdef, cfg: TrainStepConfig, mesh: Optional[Mesh] = No
                 return (t_acc + t, losses.combine_metrics(m_acc, m),
                         jax.tree.map(jnp.add, g_acc, g)), None
 
-            (total, metrics, grads), _ = jax.lax.scan(body, (total, metrics, grads), rest_mbs)
+            (total, metrics, grads), _ = jax.lax.scan(body, (total, metrics, grads), mbs)
         scale = losses.safe_divide(jnp.float32(1.0), denom)
         grads = jax.tree.map(lambda g: g * scale, grads)
         return total * scale, grads, metrics
