@@ -74,10 +74,6 @@ def _split_microbatches(batch: Batch, m: int) -> Batch:
     return jax.tree.map(split, batch)
 
 
-def _first(mbs: Batch) -> Batch:
-    return jax.tree.map(lambda x: x[0], mbs)
-
-
 def microbatch_count(rows: int, length: int, *, num_microbatches: int = 1, max_tokens: int = 0,
                      data_shards: int = 1) -> int:
     """How many micro-batches a [rows, length] batch runs as: `num_microbatches`, or with
@@ -121,7 +117,7 @@ def make_loss_and_grad(graphdef, cfg: TrainStepConfig, mesh: Optional[Mesh] = No
             # model's forward and backward once (the first micro-batch apart doubled the compile).
             mbs = _split_microbatches(batch, count)
             (total, metrics), grads = jax.tree.map(
-                lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(grad_fn, params, rest, _first(mbs)))
+                lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(grad_fn, params, rest, jax.tree.map(lambda x: x[0], mbs)))
             metrics = losses.empty_metrics(metrics)
 
             def body(carry, mb):
