@@ -26,6 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALGORITHMS = ("portool", "grpo", "grpo_fm", "dapo", "arpo", "arpo_fm")
 KILLED = ("portool", "dapo", "arpo")  # the others: an uninterrupted run only
 ITERATIONS = 2
+TIMEOUT_S = 400  # a run's wall-clock limit
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +56,9 @@ def test_trains_end_to_end_and_killed_runs_resume_bit_identically(algorithm, set
     try:
         if algorithm in KILLED:
             left = straight_killed_resumed(start, lambda w: checkpoint_steps(w, "rl"), workdirs,
-                                           lambda name: (tmp_path / f"{name}.log").read_text())
+                                           lambda name: (tmp_path / f"{name}.log").read_text(), TIMEOUT_S)
         else:
-            assert start("straight", workdirs["straight"]).wait(timeout=400) == 0, \
+            assert start("straight", workdirs["straight"]).wait(timeout=TIMEOUT_S) == 0, \
                 (tmp_path / "straight.log").read_text()[-3000:]
     finally:
         for f in logs.values():

@@ -116,8 +116,8 @@ def make_loss_and_grad(graphdef, cfg: TrainStepConfig, mesh: Optional[Mesh] = No
             # One scan over every micro-batch, from the sums' identities: the program holds the
             # model's forward and backward once (the first micro-batch apart doubled the compile).
             mbs = _split_microbatches(batch, count)
-            (total, metrics), grads = jax.tree.map(
-                lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(grad_fn, params, rest, jax.tree.map(lambda x: x[0], mbs)))
+            shapes = jax.eval_shape(grad_fn, params, rest, jax.tree.map(lambda x: x[0], mbs))
+            (total, metrics), grads = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
             metrics = losses.empty_metrics(metrics)
 
             def body(carry, mb):
