@@ -56,7 +56,7 @@ def test_trains_end_to_end_and_killed_runs_resume_bit_identically(algorithm, set
     try:
         if algorithm in KILLED:
             left = straight_killed_resumed(start, lambda w: checkpoint_steps(w, "rl"), workdirs,
-                                           lambda name: (tmp_path / f"{name}.log").read_text(), TIMEOUT_S)
+                                           lambda name: (tmp_path / f"{name}.log").read_text(), timeout_s=TIMEOUT_S)
         else:
             assert start("straight", workdirs["straight"]).wait(timeout=TIMEOUT_S) == 0, \
                 (tmp_path / "straight.log").read_text()[-3000:]
