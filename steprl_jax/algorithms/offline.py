@@ -31,6 +31,7 @@ from steprl_jax.models.lora import LoraConfig
 from steprl_jax.models.sharding import batch_sharding
 from steprl_jax.training import distributed
 from steprl_jax.training.distributed import put_global
+from steprl_jax.training.host_memory import trim_heap
 from steprl_jax.training.metrics_log import MetricsLog
 from steprl_jax.training.pack import cheapest_layout, pack
 from steprl_jax.training.state import merge_model, split_model
@@ -178,6 +179,7 @@ def train_offline(spec: OfflineSpec, model, *, workdir: str, seed: int, ref_para
                 metrics = {**metrics, "skipped": 1.0}
             else:
                 state = _train_update(spec, step_fn, logprob_fn, ref_params, state, rows, metrics, t0, mesh)
+            trim_heap()  # the update's buffers back to the system (training/host_memory.py)
             if metrics_log is not None:
                 metrics_log.write(update + 1, metrics)
             if rows and spec.after_update is not None:

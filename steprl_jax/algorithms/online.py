@@ -55,6 +55,7 @@ from steprl_jax.algorithms.workdir import check_manifest
 from steprl_jax.evaluation.metrics import episode_terms, write_json_atomic, write_text_atomic
 from steprl_jax.training import (Checkpointer, TrainStepConfig, create_train_state, lr_schedule,
                                  make_logprob_fn, make_optimizer, make_train_step)
+from steprl_jax.training.host_memory import trim_heap
 from steprl_jax.training.metrics_log import MetricsLog
 from steprl_jax.models import lora
 from steprl_jax.models.lora import LoraConfig
@@ -263,11 +264,14 @@ class OnlineLoop:
             for it in range(start, iterations):
                 if it % int(self.rl.eval_every) == 0:
                     self.evaluate(it)
+                    trim_heap()
                 t0 = time.perf_counter()
                 result = self.collect(it, cursor)
                 cursor = result.cursor
+                trim_heap()  # each phase's freed buffers back to the system (training/host_memory.py)
                 metrics = batch_metrics(result)
                 metrics.update(self.train(result.kept))
+                trim_heap()
                 metrics["iteration_s"] = time.perf_counter() - t0
                 self._write_records(it, result.mine)
                 if self.metrics_log is not None:
