@@ -2,10 +2,10 @@
 
 A rollout, a train step and an evaluation each allocate and free gigabytes of buffers of
 sizes that change from iteration to iteration (cache lengths, packed shapes). glibc keeps
-what is freed in its arenas, so a run's resident memory grew by ~1 GiB per RL iteration
-(5.7 -> 10.7 GiB over 6 PORTool iterations) while its live arrays stayed at ~2.8 GiB;
-`malloc_trim(0)` after each phase kept the same run at 3.6 -> 4.7 GiB. A no-op where the C
-library has no `malloc_trim` (not glibc).
+what is freed in its arenas, so a PORTool run's resident memory grew ~1 GiB an iteration
+(5.7 -> 9.0 GiB over its first 4) while its live arrays stayed at ~2.8 GiB; with
+`malloc_trim(0)` after each phase the same 4 iterations went 3.6 -> 4.7 GiB. A no-op where
+the C library has no `malloc_trim` (not glibc).
 """
 from __future__ import annotations
 
