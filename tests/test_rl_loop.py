@@ -96,14 +96,18 @@ def test_unknown_algorithm_names_the_valid_ones(tmp_path):
         online.run(c, (None, None))
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("rl.portool.agg", "seq_mean_token_sum", "config.rl.portool.agg"),
-    ("rl.portool.token_weighting", "twice", "config.rl.portool.token_weighting"),
-    ("rl.queries_per_iteration", 0, "config.rl.queries_per_iteration"),
-    ("env.format", "tags", "config.env.format"),
+@pytest.mark.parametrize("algorithm, field, value, message", [
+    ("portool", "rl.portool.agg", "seq_mean_token_sum", "config.rl.portool.agg"),
+    ("portool", "rl.portool.token_weighting", "twice", "config.rl.portool.token_weighting"),
+    ("portool", "rl.queries_per_iteration", 0, "config.rl.queries_per_iteration"),
+    ("portool", "env.format", "tags", "config.env.format"),
+    ("dapo", "rl.dapo.max_sampling_rounds", 0, "config.rl.dapo.max_sampling_rounds must be >= 1"),
+    ("dapo", "rl.dapo.overlong_cache", 100_000, r"config.rl.dapo.overlong_cache must be in \[1, "),
+    ("dapo", "rl.dapo.overlong_cache", 0, r"config.rl.dapo.overlong_cache must be in \[1, "),
 ])
-def test_bad_rl_config_names_the_field(tmp_path, field, value, message):
+def test_bad_rl_config_names_the_field(tmp_path, algorithm, field, value, message):
     c = tiny_rl_config(tmp_path)
+    c.algorithm = algorithm
     section, key = field.rsplit(".", 1)
     target = c
     for part in section.split("."):
