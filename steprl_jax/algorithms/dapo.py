@@ -42,9 +42,22 @@ def _reward(record, leaf, config) -> float:
     return outcome_reward(record, leaf) + penalty
 
 
+def check_config(config) -> None:
+    """Dynamic sampling's round cap and the overlong cache, checked before the first rollout."""
+    s = config.rl.dapo
+    if int(s.max_sampling_rounds) < 1:
+        raise ValueError(f"config.rl.dapo.max_sampling_rounds must be >= 1, got {s.max_sampling_rounds}")
+    limit = max_response_tokens(config)
+    if not 1 <= int(s.overlong_cache) <= limit:
+        raise ValueError(f"config.rl.dapo.overlong_cache must be in [1, {limit}] (the maximum response length: "
+                         f"rl.dapo.max_response_tokens, or rollout.max_steps x rollout.max_new_tokens), "
+                         f"got {s.overlong_cache}")
+
+
 def keep_group(record: TreeRecord, config) -> bool:
     """Dynamic sampling: keep a query only if its trajectories' R_out are not all equal."""
     return len({record.leaf_outcomes[str(leaf)] for leaf in record.leaves()}) > 1
 
 
-DAPO = Algorithm("dapo", "group", group_builder("dapo", _reward), grpo_loss("dapo"), keep=keep_group)
+DAPO = Algorithm("dapo", "group", group_builder("dapo", _reward), grpo_loss("dapo"), keep=keep_group,
+                 check=check_config)

@@ -49,7 +49,6 @@ from steprl_jax.agents.tasks import build_suite
 from steprl_jax.agents.tree_batch import judged_tree
 from steprl_jax.algorithms.offline import (copy_model, export_adapters, export_policy, items_at, lora_fields,
                                            optimizer_config, train_on_rows, trainable_copy)
-from steprl_jax.algorithms import dapo
 from steprl_jax.algorithms.rl import Algorithm, get_algorithm
 from steprl_jax.algorithms.tree_rows import LOSS_AGGS, WEIGHTINGS
 from steprl_jax.algorithms.workdir import check_manifest
@@ -79,14 +78,8 @@ def check_config(config) -> Algorithm:
     for section in ("portool", "grpo", "dapo"):
         if rl[section].agg not in LOSS_AGGS:
             raise ValueError(f"config.rl.{section}.agg: {rl[section].agg!r} is not one of {LOSS_AGGS}")
-    if algorithm.name == "dapo":  # checked before the first rollout, not at the first batch build
-        if int(rl.dapo.max_sampling_rounds) < 1:
-            raise ValueError(f"config.rl.dapo.max_sampling_rounds must be >= 1, got {rl.dapo.max_sampling_rounds}")
-        limit = dapo.max_response_tokens(config)
-        if not 1 <= int(rl.dapo.overlong_cache) <= limit:
-            raise ValueError(f"config.rl.dapo.overlong_cache must be in [1, {limit}] (the maximum response length: "
-                             f"rl.dapo.max_response_tokens, or rollout.max_steps x rollout.max_new_tokens), "
-                             f"got {rl.dapo.overlong_cache}")
+    if algorithm.check is not None:
+        algorithm.check(config)
     if rl.portool.token_weighting not in WEIGHTINGS:
         raise ValueError(f"config.rl.portool.token_weighting: {rl.portool.token_weighting!r} is not one of "
                          f"{WEIGHTINGS}")

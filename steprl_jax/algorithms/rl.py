@@ -10,6 +10,8 @@ trainer. A new method is one module and one line in `ALGORITHMS`.
               so the train step always runs the token_mean kernel)
     keep      optional (judged tree, config) -> bool: dynamic sampling (DAPO) keeps a query's
               group only when it is informative
+    check     optional config -> None: the algorithm's own settings, checked before the first
+              rollout (raises ValueError naming the field)
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ class Algorithm:
     build: Callable
     loss: Callable
     keep: Optional[Callable] = None
+    check: Optional[Callable] = None
 
     def __post_init__(self):
         if self.rollout not in ROLLOUT_MODES:
