@@ -49,6 +49,12 @@ def test_formatting_reward():
                       "valid_arguments": False, "executed_ok": False}
     assert passed_fraction(checks) == 0.5 and formatting_reward(checks) == 0.0
     assert formatting_reward(formatting_checks(parse_tool_call_step(""))) == -0.25
+    # A tool call and the answer in one step: the terminal call never runs, so one result is all of them.
+    both = parse_tool_call_step('<think>t</think><tool_call>[{"name": "calculator", "arguments": {"expression": "2*3"}}, '
+                                '{"name": "response_gen", "arguments": {"answer": "6"}}]</tool_call>')
+    results = registry.execute([both.calls[0].to_json()])
+    assert formatting_checks(both, registry, results)["executed_ok"]
+    assert not formatting_checks(both, registry, [])["executed_ok"]
     assert format_cap(0.25, gamma=0.5, max_steps=6) == 0.5**6 / 2
 
 

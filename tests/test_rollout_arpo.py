@@ -121,7 +121,7 @@ def test_branches_only_after_tool_calls_and_every_tree_has_exactly_n_leaves(part
 
 
 def _entropy_reference(forward, vocab_size, context_ids, action_ids, k, temperature):
-    """Mean over the action's first <= k tokens of the entropy of softmax(logits / T), over log V."""
+    """Sum over the action's first <= k tokens of the entropy of softmax(logits / T), over log V."""
     m = min(k, len(action_ids))
     ids = list(context_ids) + list(action_ids[:m - 1])
     padded = np.zeros((1, PADDED), np.int32)  # causal: the padding after the ids changes nothing before it
@@ -132,7 +132,7 @@ def _entropy_reference(forward, vocab_size, context_ids, action_ids, k, temperat
     logp = z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
     entropy = -(np.exp(logp) * logp).sum(axis=-1)
     assert entropy.shape == (m,)
-    return entropy.mean() / np.log(vocab_size)
+    return entropy.sum() / np.log(vocab_size)
 
 
 def test_the_decision_entropy_is_the_models_entropy_of_the_first_tokens_after_the_tool_response(parts):
@@ -155,8 +155,9 @@ def test_the_decision_entropy_is_the_models_entropy_of_the_first_tokens_after_th
             np.testing.assert_allclose(d["entropy0"], reference(record.prompt_ids, first), atol=1e-4)
             assert d["delta"] == pytest.approx(d["entropy"] - d["entropy0"])
             checked.append(d["entropy"])
-    # Enough decisions, and entropies far apart compared to the tolerance: the check tells contexts apart.
-    assert len(checked) >= 3 and np.ptp(checked) > 0.05
+    # Enough decisions, and entropies far apart compared to the tolerance (sums of up to 20 per-token
+    # entropies over log V): the check tells contexts apart.
+    assert len(checked) >= 3 and np.ptp(checked) > 0.5
 
 
 def test_branching_is_reproducible_for_a_fixed_seed(parts):

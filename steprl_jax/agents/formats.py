@@ -209,12 +209,14 @@ def formatting_checks(step: ToolCallStep, registry=None, results: Sequence[ToolR
     """The six checks of METHODS 2.4 for one step. Checks about calls are False when there are none.
 
     `registry` (a `ToolRegistry`) decides `known_tools` and `valid_arguments`; `results` (one per
-    call, as executed) decides `executed_ok`. Without them those checks count as failed.
+    executed call: every call but the terminal one, whose argument is the answer and which never
+    runs) decides `executed_ok`. Without them those checks count as failed.
     """
     calls = step.calls
     known = bool(calls) and registry is not None and all(c.name in registry for c in calls)
     valid = known and all(registry.validation_error(c.to_json()) is None for c in calls)
-    executed = bool(calls) and results is not None and len(results) == len(calls) and all(r.ok for r in results)
+    run = [c for c in calls if c.name != TERMINAL_TOOL]
+    executed = bool(calls) and results is not None and len(results) == len(run) and all(r.ok for r in results)
     return {"has_think": step.has_think and not any(p in step.problems for p in ("empty_think",)),
             "has_tool_call": step.has_tool_call, "valid_json": step.valid_json,
             "known_tools": known, "valid_arguments": valid, "executed_ok": executed}
