@@ -4,6 +4,7 @@ Greedy decoding, few steps, short actions: the point is exactness of what is rec
 not the quality of a 135M model's answers.
 """
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -214,6 +215,26 @@ def test_two_trees_of_the_same_query_in_one_batch_stay_apart(schedule):
         assert [len(t.nodes) for t in trees] == [10, 10]
     # No step is recorded in both trees.
     assert not {id(n.step) for n in trees[0].nodes} & {id(n.step) for n in trees[1].nodes}
+
+
+def test_static_trees_fill_to_n_leaves():
+    """Static forks fill the tree to n leaves: partly at a configured depth where a whole f-way fork
+    would overshoot, and past the last configured depth when branches finished early."""
+    _, tokenizer, sampler = _tiny_random_model()
+    rollout = RolloutConfig(max_steps=4, max_new_tokens=6, max_context=2048, temperature=1.0, batch_size=8)
+    engine = RolloutEngine(sampler, tokenizer, _env(), rollout, seed=1)
+    (tree,) = engine.run_trees([("a", _tasks(1)[0])], n=6, f=2, schedule="static", fork_depths=(1, 2, 3), seed=0)
+    # 2, 4, then 2 of the 4 fork (6 = n, not 8), then one sample each: 2 + 4 + 6 + 6 steps.
+    assert len(tree.leaves()) == 6 and len(tree.nodes) == 18
+    copies = lambda open_trees, done_trees, depth: list(engine._tree_copies(  # noqa: E731
+        open_trees, done_trees, 2, 8, 2, depth, {1, 2, 3}, "static").values())
+    branch = lambda t: types.SimpleNamespace(tree=t)  # noqa: E731
+    # Depth 3, tree 0 has 4 open branches and 1 finished: 3 of them fork (8 leaves); tree 1 has 4 open.
+    assert copies([branch(0) for _ in range(4)] + [branch(1) for _ in range(4)],
+                  [branch(0)], 3) == [2, 2, 2, 1, 2, 2, 2, 2]
+    # Depth 5, past the configured depths: tree 0 (5 open, 2 finished) fills to 8; tree 1 (8 open) does not.
+    assert copies([branch(0) for _ in range(5)] + [branch(1) for _ in range(8)], [branch(0)] * 2, 5) == \
+        [2] + [1] * 12
 
 
 def _jittery_calculator(seed):

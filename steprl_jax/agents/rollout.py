@@ -496,18 +496,21 @@ class RolloutEngine:
         return [_prune_dead_ends(r) for r in records]
 
     def _tree_copies(self, branches, finished, num_trees, n, f, depth, fork_depths, schedule) -> dict:
-        """Static: fork every open branch f ways at the configured depths while the tree stays within n
-        leaves. Resample, first step: n copies of the prompt."""
+        """Resample, first step: n copies of the prompt. Static: at a configured depth the open branches
+        fork f ways, in order, while the tree's leaves to come (finished + open) stay within n; the first
+        that would overshoot takes the copies that reach n exactly. Past the last configured depth the
+        same fill runs whenever branches that finished early left the tree short of n (METHODS 2.3:
+        "until the tree has n leaves"). So a tree ends with n leaves unless all its branches finish
+        before it gets there."""
         copies = {}
         for tree in range(num_trees):
             mine = [b for b in branches if b.tree == tree]
-            done = sum(1 for b in finished if b.tree == tree)
-            if schedule == "resample":
-                factor = n
-            else:
-                factor = f if depth in fork_depths and done + len(mine) * f <= n else 1
+            leaves = sum(1 for b in finished if b.tree == tree) + len(mine)
+            fork = schedule == "resample" or depth in fork_depths or depth > max(fork_depths, default=0)
             for b in mine:
-                copies[id(b)] = factor
+                extra = 0 if not fork else n - 1 if schedule == "resample" else min(f - 1, max(0, n - leaves))
+                copies[id(b)] = 1 + extra
+                leaves += extra
         return copies
 
     def _resample(self, state, candidates, num_trees, finished, n, rng):
