@@ -506,9 +506,14 @@ class RolloutEngine:
         for tree in range(num_trees):
             mine = [b for b in branches if b.tree == tree]
             leaves = sum(1 for b in finished if b.tree == tree) + len(mine)
-            fork = schedule == "resample" or depth in fork_depths or depth > max(fork_depths, default=0)
+            fork = depth in fork_depths or depth > max(fork_depths, default=0)
             for b in mine:
-                extra = 0 if not fork else n - 1 if schedule == "resample" else min(f - 1, max(0, n - leaves))
+                if schedule == "resample":
+                    extra = n - 1
+                elif fork:
+                    extra = min(f - 1, max(0, n - leaves))
+                else:
+                    extra = 0
                 copies[id(b)] = 1 + extra
                 leaves += extra
         return copies
@@ -545,8 +550,8 @@ class RolloutEngine:
           has H = 0. This is the reference code's scale, so its alpha and beta carry over (it sums
           -p log p over vLLM's top-10 log-probs of each of the first 20 tokens and divides by
           log V; we use the whole vocabulary). A mean over the tokens would shrink beta's effect
-          k-fold: per-token normalised entropies of a warm-started SmolLM2 are 0.001-0.16, which
-          left p within a few hundredths of alpha.
+          `entropy_tokens`-fold: per-token normalised entropies of a warm-started SmolLM2 are
+          0.001-0.16, which left p within a few hundredths of alpha.
         * H_0 of a chain is H of its first action; a branch inherits its parent's H_0 (they share that
           action).
         * After a tool response (a step with tool calls whose observation was appended; never after
