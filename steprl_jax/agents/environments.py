@@ -214,8 +214,7 @@ class ToolCallEnv:
         return formats.parse_tool_call_step(action_text)
 
     def calls_for(self, parsed) -> list[ToolCall]:
-        # The terminal tool is not executed: its argument is the answer.
-        return [c for c in parsed.calls if c.name != formats.TERMINAL_TOOL] if parsed.has_tool_call else []
+        return list(parsed.executed_calls) if parsed.has_tool_call else []
 
     def outcome(self, task: Task, parsed, results: Sequence[ToolResult]) -> ActionOutcome:
         calls = self.calls_for(parsed)

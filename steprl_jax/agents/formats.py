@@ -96,6 +96,11 @@ class ToolCallStep:
     valid_json: bool  # the block is JSON and a list of {"name": str, "arguments": object}
 
     @property
+    def executed_calls(self) -> tuple[ToolCall, ...]:
+        """The calls that run: every call but the terminal one, whose argument is the answer."""
+        return tuple(c for c in self.calls if c.name != TERMINAL_TOOL)
+
+    @property
     def final_answer(self) -> str | None:
         """The answer if this step calls the terminal tool `response_gen` with a string answer."""
         for call in self.calls:
@@ -215,8 +220,8 @@ def formatting_checks(step: ToolCallStep, registry=None, results: Sequence[ToolR
     calls = step.calls
     known = bool(calls) and registry is not None and all(c.name in registry for c in calls)
     valid = known and all(registry.validation_error(c.to_json()) is None for c in calls)
-    run = [c for c in calls if c.name != TERMINAL_TOOL]
-    executed = bool(calls) and results is not None and len(results) == len(run) and all(r.ok for r in results)
+    executed = (bool(calls) and results is not None and len(results) == len(step.executed_calls)
+                and all(r.ok for r in results))
     return {"has_think": step.has_think and not any(p in step.problems for p in ("empty_think",)),
             "has_tool_call": step.has_tool_call, "valid_json": step.valid_json,
             "known_tools": known, "valid_arguments": valid, "executed_ok": executed}
