@@ -48,8 +48,10 @@ compute (float32 parameters, bf16 matmul operands with float32 accumulation); TR
 bfloat16 (model loaded in bf16 and `bf16=True`). Every (side, dtype) runs in a child process of
 its own, one after the other (TRL, ours, TRL, ours), so each has the machine's memory to itself
 and returns it when done; one that dies (e.g. killed for memory) is reported as failed and the
-rest go on. The ratio compares each side's fastest dtype,
-in iterations per second. Every side runs 1 warm-up iteration (compilation, first allocations),
+rest go on. A side's later dtype is stopped once it runs `--slower-cutoff` (3) times longer than
+that side's fastest finished one: it cannot be the faster setting (on a host without bf16 matrix
+instructions, TRL's thread probe alone ran over 10 times longer in bf16 than in float32). The
+ratio compares each side's fastest dtype, in iterations per second. Every side runs 1 warm-up iteration (compilation, first allocations),
 then `--iterations` timed ones; the table shows medians. Our timed iterations must compile
 nothing (checked: sampler programs and train-step cache sizes).
 
@@ -71,6 +73,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -327,17 +330,23 @@ def torch_threads(model, tokenizer, n_cores: int, *, rows: int = 64, train_rows:
     return int(min(times, key=times.get)), times
 
 
-def run_child(kind: str, spec: dict, tmp: str) -> dict:
+def run_child(kind: str, spec: dict, tmp: str, timeout_s: Optional[float] = None) -> dict:
     """Run `kind` (a key of CHILDREN) in a child process of its own (its own memory, freed when it
-    ends); its result dict, or {"failed": why} when it died (e.g. killed for memory)."""
+    ends); its result dict, or {"failed": why} when it died (e.g. killed for memory) or ran past
+    `timeout_s` (then it is killed)."""
     name = f"{kind}_{spec.get('dtype', '')}"
     spec = {**spec, "result": os.path.join(tmp, f"{name}.json")}
     spec_path = os.path.join(tmp, f"{name}.spec.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "steprl_jax.benchmarks.rl_iteration", "--child", kind, spec_path],
-                          stdout=sys.stderr)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "steprl_jax.benchmarks.rl_iteration", "--child", kind,
+                               spec_path], stdout=sys.stderr, timeout=timeout_s)
+    except subprocess.TimeoutExpired:  # run() has killed the child
+        why = f"stopped after {timeout_s:.0f} s"
+        _log(f"{name}: {why}")
+        return {"failed": why, "stopped": True, "wall_s": time.perf_counter() - t0}
     if proc.returncode != 0:
         why = (f"killed by signal {-proc.returncode}" + (" (SIGKILL: out of memory?)" if proc.returncode == -9 else "")
                if proc.returncode < 0 else f"exit status {proc.returncode}")
@@ -372,12 +381,12 @@ def _portool_child(spec: dict) -> dict:
     return portool_records(argparse.Namespace(**spec["args"]))
 
 
-def trl(a, dtype: str, qs: list[str], model_dir: str, tmp: str) -> dict:
+def trl(a, dtype: str, qs: list[str], model_dir: str, tmp: str, timeout_s: Optional[float] = None) -> dict:
     spec = {"model_dir": model_dir, "dtype": dtype, "queries": a.queries, "samples": a.samples,
             "max_new_tokens": a.max_new_tokens, "iterations": a.iterations, "seed": a.seed, "questions": qs,
             "threads": a.torch_threads, "microbatches": a.trl_microbatches,
             "output_dir": os.path.join(tmp, f"trl_{dtype}")}
-    out = run_child("trl", spec, tmp)
+    out = run_child("trl", spec, tmp, timeout_s)
     out.update(side="trl", dtype=dtype)
     if "failed" in out:
         return out
@@ -411,13 +420,31 @@ def part_grpo(a, host: dict) -> dict:
         for i in range(max(len(a.trl_dtypes), len(a.ours_dtypes))):
             order += [("trl", d) for d in a.trl_dtypes[i:i + 1]] + [("ours", d) for d in a.ours_dtypes[i:i + 1]]
         for side, dtype in order:
-            _log(f"part A: {side} at {dtype}")
+            timeout_s, why = slower_cutoff(a.slower_cutoff, [r for r in results if r["side"] == side])
+            _log(f"part A: {side} at {dtype}" + (f" (stopped after {timeout_s:.0f} s: {why})" if timeout_s else ""))
             if side == "trl":
-                results.append(trl(a, dtype, qs, model_dir, tmp))
+                out = trl(a, dtype, qs, model_dir, tmp, timeout_s)
             else:
-                out = run_child("ours", {"args": vars(a), "dtype": dtype, "questions": qs}, tmp)
-                results.append({**out, "side": "ours", "dtype": dtype})
+                out = run_child("ours", {"args": vars(a), "dtype": dtype, "questions": qs}, tmp, timeout_s)
+                out.update(side="ours", dtype=dtype)
+            if out.get("stopped"):
+                out["failed"] = f"{out['failed']}, {why}"
+            results.append(out)
     return report_grpo(a, host, qs, results)
+
+
+def slower_cutoff(factor: float, done: list[dict]) -> tuple[Optional[float], str]:
+    """How long a side's next dtype may run: `factor` x the wall time of the side's fastest child that
+    finished (a child's wall holds its load, probe, warm-up and timed iterations, so one that runs
+    that many times longer is not the side's faster setting: e.g. TRL in bf16 on a host without bf16
+    matrix instructions, whose thread probe alone ran over 10 times longer than in float32). (None, "")
+    without a cutoff."""
+    finished = [r for r in done if "failed" not in r]
+    if factor <= 0 or not finished:
+        return None, ""
+    best = min(finished, key=lambda r: r["wall_s"])
+    return factor * best["wall_s"], (f"over {factor:g}x the {best['dtype']} child's {best['wall_s']:.0f} s, "
+                                     f"so not the faster setting")
 
 
 def report_grpo(a, host: dict, qs: list[str], results: list[dict]) -> dict:
@@ -686,6 +713,9 @@ def main(argv=None):
                         "on a 23 GB host")
     p.add_argument("--torch-threads", default="auto",
                    help="TRL's torch threads: a number, or auto (the faster of all cores and 1, probed)")
+    p.add_argument("--slower-cutoff", type=float, default=3.0,
+                   help="stop a side's next dtype once it runs this many times longer than the side's "
+                        "fastest finished one (it cannot be the faster setting); 0: never")
     p.add_argument("--portool-dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="")
