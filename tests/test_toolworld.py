@@ -89,3 +89,37 @@ def test_query_round_trip_and_demonstrations(tmp_path, world, splits):
     path.write_text(path.read_text() + "{not json}\n")
     with pytest.raises(Exception, match=r"q.jsonl:%d" % (len(splits["test"]) + 1)):
         load_queries(path)
+
+
+def test_an_answer_call_without_a_string_answer_is_told_which_argument(world):
+    """response_gen with bad arguments neither ends the episode nor passes silently: the agent sees
+    malformed_arguments naming `answer`, alone or after the step's other results."""
+    import json
+    from datetime import datetime, time
+
+    from steprl_jax.agents.environments import Task, ToolCallEnv
+
+    reg = make_registry(world, EpisodeContext("Tokyo", datetime.combine(world.today, time(12))))
+    env, task = ToolCallEnv(reg), Task("q", "What time is it?", "12:00")
+
+    def outcome(calls):
+        parsed = env.parse(f"<think>t</think><tool_call>{json.dumps(calls)}</tool_call>")
+        return env.outcome(task, parsed, reg.execute([c.to_json() for c in env.calls_for(parsed)]))
+
+    def errors(o):
+        body = o.observation_text.removeprefix("<tool_response>").removesuffix("</tool_response>")
+        return [(r["name"], r.get("error", {}).get("type"), r.get("error", {}).get("message")) for r in json.loads(body)]
+
+    alone = outcome([{"name": "response_gen", "arguments": {"_gen": "local_time"}}])
+    assert alone.kind == "invalid" and alone.final_answer is None and alone.problems == ["bad_answer_arguments"]
+    [(name, kind, message)] = errors(alone)
+    assert name == "response_gen" and kind == "malformed_arguments" and "'answer'" in message
+    assert not alone.format_checks["valid_arguments"] and alone.format_checks["known_tools"]
+    with_call = outcome([{"name": "local_time", "arguments": {"city": "Tokyo"}},
+                         {"name": "response_gen", "arguments": {"answer": 12}}])
+    assert with_call.kind == "tool_call" and len(with_call.results) == 1 and with_call.results[0].ok
+    assert [e[:2] for e in errors(with_call)] == [("local_time", None), ("response_gen", "malformed_arguments")]
+    assert "'answer'" in errors(with_call)[1][2]
+    assert with_call.format_checks["executed_ok"] and not with_call.format_checks["valid_arguments"]
+    answered = outcome([{"name": "response_gen", "arguments": {"answer": "12:00"}}])
+    assert answered.kind == "answer" and answered.final_answer == "12:00" and answered.observation_text == ""

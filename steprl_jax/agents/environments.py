@@ -19,7 +19,7 @@ import threading
 from typing import Any, Callable, Optional, Sequence
 
 from steprl_jax.agents import formats
-from steprl_jax.tools.protocol import ToolCall, ToolResult
+from steprl_jax.tools.protocol import MALFORMED_ARGUMENTS, ToolCall, ToolResult, error_result
 from steprl_jax.tools.registry import ToolRegistry
 
 
@@ -224,14 +224,31 @@ class ToolCallEnv:
             if not calls:  # only response_gen: executing it is trivially fine
                 checks = {**checks, "known_tools": True, "valid_arguments": True, "executed_ok": True}
             return ActionOutcome("answer", calls, list(results), "", answer, list(parsed.problems), checks)
+        refused = self._refused_answers(task, parsed)
         if calls:
-            observation = formats.render_tool_responses(results)
+            observation = formats.render_tool_responses([*results, *refused])
             return ActionOutcome("tool_call", calls, list(results), observation, None, list(parsed.problems), checks)
+        if refused:  # a well-formed step whose answer call has no string answer: say which argument
+            return ActionOutcome("invalid", [], [], formats.render_tool_responses(refused), None,
+                                 list(parsed.problems) or ["bad_answer_arguments"], checks)
         problems = list(parsed.problems) or ["empty_call_list"]
         observation = ("<tool_response>[{\"error\": {\"type\": \"malformed_step\", \"message\": \"no valid "
                        "tool call found: write <think>...</think><tool_call>[{\\\"name\\\": ..., "
                        "\\\"arguments\\\": {...}}]</tool_call>\"}}]</tool_response>")
         return ActionOutcome("invalid", [], [], observation, None, problems, checks)
+
+    def _refused_answers(self, task: Task, parsed) -> list[ToolResult]:
+        """An error result for each `response_gen` call without a string `answer` (it neither
+        ends the episode nor runs), naming the argument at fault as any other tool's would."""
+        registry = self.registry_for(task)
+        refused = []
+        for call in parsed.calls:
+            if call.name != formats.TERMINAL_TOOL:
+                continue
+            problem = registry.validation_error(call.to_json()) if call.name in registry else None
+            refused.append(error_result(call.name, MALFORMED_ARGUMENTS,
+                                        problem or "argument 'answer': the final answer, a string, is required"))
+        return refused
 
     def observation_ids(self, tokenizer, text: str) -> list[int]:
         """The tool message as the chat template renders it after an assistant turn.
