@@ -1,7 +1,5 @@
 """benchmarks.rl_iteration: a dtype that runs far longer than its side's fastest is stopped (a real
 child process, killed), and the report goes on without it."""
-import time
-
 from steprl_jax.benchmarks import rl_iteration
 
 
@@ -16,9 +14,8 @@ def test_the_cutoff_follows_the_sides_fastest_finished_child():
 
 
 def test_a_child_past_its_time_is_killed_and_reported(tmp_path):
-    t0 = time.perf_counter()
     # exporting SmolLM2 (imports, weights, safetensors) takes far longer than 2 s
     out = rl_iteration.run_child("export", {"model_dir": str(tmp_path / "smollm2")}, str(tmp_path), timeout_s=2.0)
     assert out["failed"] == "stopped after 2 s" and out["stopped"]
-    assert time.perf_counter() - t0 < 30
     assert not (tmp_path / "export_.json").exists()  # no result from a stopped child
+    assert not (tmp_path / "smollm2" / "model.safetensors").exists()  # killed before it could finish

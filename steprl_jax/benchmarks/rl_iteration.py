@@ -51,8 +51,8 @@ and returns it when done; one that dies (e.g. killed for memory) is reported as 
 rest go on. A side's later dtype is stopped once it runs `--slower-cutoff` (3) times longer than
 that side's fastest finished one: it cannot be the faster setting (on a host without bf16 matrix
 instructions, TRL's thread probe alone ran over 10 times longer in bf16 than in float32). The
-ratio compares each side's fastest dtype, in iterations per second. Every side runs 1 warm-up iteration (compilation, first allocations),
-then `--iterations` timed ones; the table shows medians. Our timed iterations must compile
+ratio compares each side's fastest dtype, in iterations per second. Every side runs 1 warm-up
+iteration (compilation, first allocations), then `--iterations` timed ones; the table shows medians. Our timed iterations must compile
 nothing (checked: sampler programs and train-step cache sizes).
 
 Part B, PORTool: `configs/portool_toolworld.py` at small CPU sizes (4 tasks, 2 queries per
