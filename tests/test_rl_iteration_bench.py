@@ -10,7 +10,7 @@ def test_the_cutoff_follows_the_sides_fastest_finished_child():
             {"dtype": "float16", "failed": "killed by signal 9", "wall_s": 5.0}]
     timeout_s, why = rl_iteration.slower_cutoff(3.0, done)
     assert timeout_s == 240.0
-    assert why == "over 3x the bfloat16 child's 80 s, so not the faster setting"
+    assert why == "a child running over 3x the bfloat16 child's 80 s is not the faster setting"
 
 
 def test_a_child_past_its_time_is_killed_and_reported(tmp_path):

@@ -421,7 +421,7 @@ def part_grpo(a, host: dict) -> dict:
             order += [("trl", d) for d in a.trl_dtypes[i:i + 1]] + [("ours", d) for d in a.ours_dtypes[i:i + 1]]
         for side, dtype in order:
             timeout_s, why = slower_cutoff(a.slower_cutoff, [r for r in results if r["side"] == side])
-            _log(f"part A: {side} at {dtype}" + (f" (stopped after {timeout_s:.0f} s: {why})" if timeout_s else ""))
+            _log(f"part A: {side} at {dtype}" + (f" (limit {timeout_s:.0f} s: {why})" if timeout_s else ""))
             if side == "trl":
                 out = trl(a, dtype, qs, model_dir, tmp, timeout_s)
             else:
@@ -443,8 +443,8 @@ def slower_cutoff(factor: float, done: list[dict]) -> tuple[Optional[float], str
     if factor <= 0 or not finished:
         return None, ""
     best = min(finished, key=lambda r: r["wall_s"])
-    return factor * best["wall_s"], (f"over {factor:g}x the {best['dtype']} child's {best['wall_s']:.0f} s, "
-                                     f"so not the faster setting")
+    return factor * best["wall_s"], (f"a child running over {factor:g}x the {best['dtype']} child's "
+                                     f"{best['wall_s']:.0f} s is not the faster setting")
 
 
 def report_grpo(a, host: dict, qs: list[str], results: list[dict]) -> dict:
