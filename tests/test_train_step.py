@@ -300,3 +300,25 @@ def test_loss_mask_positions_only_change_nothing():
     every = fn(params, rest, batch.tokens, batch.attention_mask)
     marked = fn(params, rest, batch.tokens, batch.attention_mask, mask)
     np.testing.assert_allclose(marked, np.where(mask > 0, every, 0.0), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("plus_one", [False, True])
+@pytest.mark.parametrize("shape,dtype", [((2, 5, 16), jnp.float32), ((2, 3, 4, 8), jnp.bfloat16)])
+def test_rms_norm_gradients_equal_autodiff_of_its_formula(plus_one, shape, dtype):
+    from steprl_jax.models.transformer import _rms_norm
+
+    def formula(x, w):
+        x = x.astype(jnp.float32)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+        return x * (1.0 + w if plus_one else w)
+
+    k = jax.random.split(jax.random.PRNGKey(3), 3)
+    x = (3.0 * jax.random.normal(k[0], shape)).astype(dtype)
+    w = 1.0 + 0.3 * jax.random.normal(k[1], shape[-1:])
+    g = jax.random.normal(k[2], shape)
+    ours = jax.grad(lambda x, w: jnp.sum(_rms_norm(x, w, 1e-6, plus_one) * g), argnums=(0, 1))(x, w)
+    ref = jax.grad(lambda x, w: jnp.sum(formula(x, w) * g), argnums=(0, 1))(x, w)
+    np.testing.assert_array_equal(np.asarray(_rms_norm(x, w, 1e-6, plus_one)), np.asarray(formula(x, w)))
+    assert ours[0].dtype == dtype and ours[1].dtype == w.dtype
+    for a, b in zip(ours, ref):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-5, atol=2e-5)
