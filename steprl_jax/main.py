@@ -68,5 +68,8 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    from steprl_jax import malloc
+
+    malloc.reexec_with_huge_pages()  # ~10% off a CPU train step (see malloc.py)
     sys.path.insert(0, os.getcwd())  # so that configs/ can import each other
     app.run(main)

@@ -768,4 +768,7 @@ CHILDREN = {"export": _export_child, "ours": _ours_child, "trl": trl_child, "por
 
 
 if __name__ == "__main__":
+    from steprl_jax import malloc
+
+    malloc.reexec_with_huge_pages()  # for every child too, both sides: they inherit it
     main()

@@ -272,4 +272,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    from steprl_jax import malloc
+
+    malloc.reexec_with_huge_pages()  # for every child too, both sides: they inherit it
     main()
