@@ -31,7 +31,8 @@ if [ ! -f "$WARM/eval/iter_00000.metrics.json" ]; then
   # tasks gave 0.125 [0.031, 0.250]. On a host with bf16 matrix instructions add
   # OVERRIDES="--config.model.compute_dtype=bfloat16" (28-37 s an update there).
   python -m steprl_jax.main --config=configs/portool_toolworld.py --config.workdir="$WARM" "${CPU[@]}" \
-    --config.rl.iterations=0 --config.rl.warm_start.updates=40 --config.rl.warm_start.learning_rate=5e-5 ${OVERRIDES:-}
+    --config.rl.warm_start.updates=40 --config.rl.warm_start.learning_rate=5e-5 ${OVERRIDES:-} \
+    --config.rl.iterations=0  # last: an OVERRIDES' rl.iterations is for the methods, not this run
 fi
 for method in "${METHODS[@]}"; do
   # every method starts from the same policy: its iteration-0 evaluation is the warm start's
