@@ -39,19 +39,20 @@ def _rms_norm_fwd(x, w, eps, plus_one):
     x_hat = x.astype(jnp.float32)
     inv_rms = jax.lax.rsqrt(jnp.mean(x_hat * x_hat, axis=-1, keepdims=True) + eps)
     x_hat = x_hat * inv_rms
-    return x_hat * (1.0 + w if plus_one else w), (x_hat, inv_rms, w, jnp.zeros((), x.dtype))  # the last: x's dtype
+    return x_hat * (1.0 + w if plus_one else w), (x, inv_rms, w)
 
 
 def _rms_norm_bwd(eps, plus_one, res, g):
     """The weight's gradient sums g * x_hat over every token: written as a matrix-vector product,
     because XLA:CPU's reduction over the leading axis (what autodiff emits) ran ~8x slower."""
-    x_hat, inv_rms, w, x_dtype = res
-    d = x_hat.shape[-1]
-    g_nd, x_hat_nd = g.astype(jnp.float32).reshape(-1, d), x_hat.reshape(-1, d)
+    x, inv_rms, w = res
+    d = x.shape[-1]
+    x_hat_nd = (x.astype(jnp.float32) * inv_rms).reshape(-1, d)
+    g_nd = g.astype(jnp.float32).reshape(-1, d)
     d_w = jnp.dot(jnp.ones((g_nd.shape[0],), jnp.float32), g_nd * x_hat_nd)
     g_w = g_nd * (1.0 + w if plus_one else w)
     d_x = inv_rms.reshape(-1, 1) * (g_w - x_hat_nd * jnp.mean(g_w * x_hat_nd, axis=-1, keepdims=True))
-    return d_x.reshape(x_hat.shape).astype(x_dtype.dtype), d_w.astype(w.dtype)
+    return d_x.reshape(x.shape).astype(x.dtype), d_w.astype(w.dtype)
 
 
 _rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
