@@ -14,7 +14,8 @@ measured here, in this run just before our steps (model FLOPs: 6 x matmul parame
 + causal-free attention 12 x L x B x T^2 x N x H; recomputation not counted). PyTorch runs
 at each of `--torch-dtypes` (float32; bf16 autocast with float32 master weights) in child
 processes before and after ours (median), so a change of load on a shared machine biases
-neither side, and ours is compared with its faster setting. `--profile` traces one more step
+neither side, and ours is compared with its faster setting. Both sides run with glibc's malloc on
+huge pages (`steprl_jax.malloc`; the torch children inherit it). `--profile` traces one more step
 of ours and prints where its time goes: matmuls by operand type with their achieved rate, and the
 other XLA ops by kind (`benchmarks.xla_profile`).
 """
