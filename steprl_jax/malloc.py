@@ -18,13 +18,14 @@ import os
 import platform
 import sys
 
-TUNABLE = "glibc.malloc.hugetlb=1"
+_KEY = "glibc.malloc.hugetlb="
+TUNABLE = _KEY + "1"
 OPT_OUT = "STEPRL_JAX_HUGE_PAGES"
 
 
 def with_huge_pages(env: dict) -> dict:
     """`env` with the tunable added to any GLIBC_TUNABLES already there."""
-    tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t and not t.startswith("glibc.malloc.hugetlb=")]
+    tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t and not t.startswith(_KEY)]
     return {**env, "GLIBC_TUNABLES": ":".join(tunables + [TUNABLE])}
 
 
@@ -34,7 +35,7 @@ def wanted(env=None, system: str | None = None, libc: str | None = None) -> bool
     system = platform.system() if system is None else system
     libc = platform.libc_ver()[0] if libc is None else libc
     return (system == "Linux" and libc == "glibc" and env.get(OPT_OUT, "1") != "0"
-            and "glibc.malloc.hugetlb=" not in env.get("GLIBC_TUNABLES", ""))
+            and _KEY not in env.get("GLIBC_TUNABLES", ""))
 
 
 def reexec_with_huge_pages() -> None:

@@ -1,3 +1,4 @@
+import json
 import os
 import platform
 import subprocess
@@ -7,19 +8,19 @@ import pytest
 
 from steprl_jax import malloc
 
-_PROBE = ("from steprl_jax import malloc; malloc.reexec_with_huge_pages(); import os, sys; "
-          "print(os.environ.get('GLIBC_TUNABLES'), os.getpid(), sys.argv[1:])")
+_PROBE = ("from steprl_jax import malloc; malloc.reexec_with_huge_pages(); import json, os, sys; "
+          "print(json.dumps([os.environ.get('GLIBC_TUNABLES'), os.getpid(), sys.argv[1:]]))")
 
 
 def _run(env_changes: dict) -> str:
     env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", malloc.OPT_OUT)}
     env.update(env_changes)
     proc = subprocess.Popen([sys.executable, "-c", _PROBE, "a", "--b=1"], env=env, stdout=subprocess.PIPE, text=True)
-    out = proc.communicate(timeout=60)[0].split()
+    tunables, pid, argv = json.loads(proc.communicate(timeout=60)[0])
     assert proc.returncode == 0
-    assert out[1] == str(proc.pid)  # replaced in place: a supervisor's SIGKILL still reaches it
-    assert out[2:] == ["['a',", "'--b=1']"]
-    return out[0]
+    assert pid == proc.pid  # replaced in place: a supervisor's SIGKILL still reaches it
+    assert argv == ["a", "--b=1"]
+    return tunables
 
 
 def test_tunable_is_added_beside_others_and_replaces_an_old_value():
@@ -41,4 +42,4 @@ def test_only_linux_glibc_and_not_when_set_or_opted_out():
 def test_entry_point_reexecutes_itself_once_with_the_tunable():
     assert _run({}) == "glibc.malloc.hugetlb=1"
     assert _run({"GLIBC_TUNABLES": "glibc.malloc.tcache_count=7"}) == "glibc.malloc.tcache_count=7:glibc.malloc.hugetlb=1"
-    assert _run({malloc.OPT_OUT: "0"}) == "None"
+    assert _run({malloc.OPT_OUT: "0"}) is None

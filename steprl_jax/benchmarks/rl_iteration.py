@@ -48,10 +48,10 @@ compute (float32 parameters, bf16 matmul operands with float32 accumulation); TR
 bfloat16 (model loaded in bf16 and `bf16=True`). Every (side, dtype) runs in a child process of
 its own, one after the other (TRL, ours, TRL, ours), so each has the machine's memory to itself
 and returns it when done; one that dies (e.g. killed for memory) is reported as failed and the
-rest go on. Every child inherits the parent's allocator setting (`steprl_jax.malloc`: glibc's malloc on
-transparent huge pages, set when the benchmark starts), TRL's as well as ours.
-A side's later dtype is stopped once it runs `--slower-cutoff` (3) times longer than
-that side's fastest finished one: it cannot be the faster setting (on a host without bf16 matrix
+rest go on. Every child inherits the parent's allocator setting (`steprl_jax.malloc`: glibc's
+malloc on transparent huge pages, set when the benchmark starts), TRL's as well as ours. A
+side's later dtype is stopped once it runs `--slower-cutoff` (3) times longer than that side's
+fastest finished one: it cannot be the faster setting (on a host without bf16 matrix
 instructions, TRL's thread probe alone ran over 10 times longer in bf16 than in float32). The
 ratio compares each side's fastest dtype, in iterations per second. Every side runs 1 warm-up
 iteration (compilation, first allocations), then `--iterations` timed ones; the table shows medians. Our timed iterations must compile
