@@ -21,6 +21,10 @@ def rl_config() -> ConfigDict:
         # larger micro-batches fill the chip. 0: exactly num_microbatches.
         max_microbatch_tokens=MAX_MICROBATCH_TOKENS,
         save_every=1, eval_every=5, max_row_tokens=8192,
+        # A minibatch whose trained tokens all have advantage 0 (every group's rewards equal)
+        # takes no optimizer step: its gradient is 0, but AdamW's momentum and weight decay would
+        # still move the policy. Only without a KL or entropy term (they give a gradient anyway).
+        skip_update_without_signal=True,
         # Rows are regrouped to the layout of least estimated cost, padded tokens x (1 + keys /
         # attention_length): keys are what a query attends over (a packed tree row's longest
         # path, with gathered key blocks), attention_length the keys at which a token's attention

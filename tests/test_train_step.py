@@ -322,3 +322,36 @@ def test_rms_norm_gradients_equal_autodiff_of_its_formula(plus_one, shape, dtype
     assert ours[0].dtype == dtype and ours[1].dtype == w.dtype
     for a, b in zip(ours, ref):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-5, atol=2e-5)
+
+
+def test_minibatch_without_signal_takes_no_step_when_asked():
+    from steprl_jax.algorithms.offline import train_on_rows
+    from steprl_jax.training.pack import Row, Span
+
+    tx = make_optimizer(OPT)
+    graphdef, state, _ = create_train_state(_model(), tx)
+    step = make_train_step(graphdef, tx, TrainStepConfig(loss=LossConfig()))
+    rng = np.random.default_rng(3)
+
+    def rows(advantage):  # 2 rows: one minibatch each
+        return [Row([Span(rng.integers(1, CFG.vocab_size, 5).tolist()),
+                     Span(rng.integers(1, CFG.vocab_size, 4).tolist(), loss=True, logprobs=[-4.0] * 4,
+                          advantage=advantage)]) for _ in range(2)]
+
+    state, m = train_on_rows(step, state, rows(1.0), minibatches=2)  # momentum from a real update
+    assert m["skipped_steps"] == 0.0 and m["signal_minibatches"] == 2.0 and int(state.step) == 2
+    before = jax.tree.map(np.array, state.params)
+    # all advantages 0: a zero gradient, yet AdamW's momentum and weight decay move the weights ...
+    moved, m = train_on_rows(step, jax.tree.map(jnp.copy, state), rows(0.0), minibatches=2)
+    assert m["signal_minibatches"] == 0.0 and float(m["grad_norm"]) == 0.0 and int(moved.step) == 4
+    assert any(not np.array_equal(a, np.asarray(b)) for a, b in zip(jax.tree.leaves(before),
+                                                                     jax.tree.leaves(moved.params)))
+    # ... unless such minibatches are skipped: no step, the weights and the optimizer untouched
+    kept, m = train_on_rows(step, state, rows(0.0), minibatches=2, skip_without_signal=True)
+    assert m["skipped_steps"] == 2.0 and int(kept.step) == 2
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(kept.params)):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    # one minibatch with signal, one without: only the first trains
+    mixed = rows(0.5)[:1] + rows(0.0)[:1]
+    kept, m = train_on_rows(step, kept, mixed, minibatches=2, skip_without_signal=True)
+    assert m["skipped_steps"] == 1.0 and m["signal_minibatches"] == 1.0 and int(kept.step) == 3

@@ -218,15 +218,26 @@ def pack_rows(rows, *, num_microbatches: int = 1, min_rows: int = 0, max_length:
 
 def train_on_rows(step_fn, state, rows, *, ppo_epochs: int = 1, minibatches: int = 1, num_microbatches: int = 1,
                   min_rows: int = 0, max_length: Optional[int] = None, logprob_fn=None, ref_params=None,
-                  attention_length: float = 0.0, mesh=None):
+                  attention_length: float = 0.0, mesh=None, skip_without_signal: bool = False):
     """Pack `rows` (`pack_rows`) and run ppo_epochs x minibatches train steps; returns (state,
     metrics). The loop every algorithm shares (offline and online). With a `mesh` the rows are
     padded to a multiple of its data shards and placed over them (every process holds the same
-    rows: the global batch)."""
+    rows: the global batch). `skip_without_signal`: a minibatch whose trained tokens all have
+    advantage 0 takes no step (its policy gradient is 0, yet AdamW's momentum and weight decay
+    would still move the weights); only for losses without a KL or entropy term."""
     shards = data_shards(mesh)
     host = pack_rows(rows, num_microbatches=num_microbatches * minibatches * shards, min_rows=min_rows,
                      max_length=max_length, attention_length=attention_length)
     parts = _split_rows(host, minibatches)  # on the host, then each placed over the data shards
+    signal = [bool(np.any((np.asarray(p.advantages) != 0) & (np.asarray(p.loss_mask) > 0))) for p in parts]
+    if skip_without_signal:
+        parts = [part for part, has in zip(parts, signal) if has]
+    metrics = {"skipped_steps": float(ppo_epochs * (len(signal) - len(parts))),
+               "signal_minibatches": float(sum(signal)), "rows": int(np.sum(np.any(host.attention_mask, axis=1))),
+               "row_length": float(host.tokens.shape[1]), "tokens": float(np.sum(host.attention_mask)),
+               "trained_tokens": float(np.sum(host.loss_mask > 0)), "padded_tokens": float(host.tokens.size)}
+    if not parts:
+        return state, {**metrics, "train_s": 0.0}
     if mesh is not None:
         parts = [put_global(part, lambda x: batch_sharding(mesh, ndim=x.ndim)) for part in parts]
     if logprob_fn is not None:
@@ -241,11 +252,7 @@ def train_on_rows(step_fn, state, rows, *, ppo_epochs: int = 1, minibatches: int
             state, m = step_fn(state, part)
             step_metrics.append(m)
     step_metrics = jax.device_get(step_metrics)
-    metrics = _first_and_mean(step_metrics)
-    metrics.update(train_s=time.perf_counter() - t1, rows=int(np.sum(np.any(host.attention_mask, axis=1))),
-                   row_length=float(host.tokens.shape[1]), tokens=float(np.sum(host.attention_mask)),
-                   trained_tokens=float(np.sum(host.loss_mask > 0)), padded_tokens=float(host.tokens.size))
-    return state, metrics
+    return state, {**_first_and_mean(step_metrics), **metrics, "train_s": time.perf_counter() - t1}
 
 
 def _first_and_mean(step_metrics: list[dict]) -> dict:

@@ -195,6 +195,8 @@ class OnlineLoop:
         self.engine = RolloutEngine(self.sampler, tokenizer, self.suite.env,
                                     dataclasses.replace(rollout_config(config), with_entropy=True), seed=self.seed)
         self.loss = algorithm.loss(config)
+        self.skip_without_signal = (bool(self.rl.skip_update_without_signal)
+                                    and self.loss.kl_coef == 0 and self.loss.entropy_coef == 0)
         steps = int(self.rl.iterations) * int(self.rl.ppo_epochs) * int(self.rl.minibatches)
         self.optimizer = optimizer_config(config, steps)
         tx = make_optimizer(self.optimizer)
@@ -403,7 +405,7 @@ class OnlineLoop:
             self.step_fn, self.state, rows, ppo_epochs=int(self.rl.ppo_epochs), minibatches=int(self.rl.minibatches),
             num_microbatches=int(self.rl.num_microbatches), min_rows=int(self.rl.queries_per_iteration),
             logprob_fn=self.logprob_fn, ref_params=self.ref_params, attention_length=float(self.rl.attention_length),
-            mesh=self.mesh)
+            mesh=self.mesh, skip_without_signal=self.skip_without_signal)
         metrics.update(train_metrics)
         self._push_params()
         return metrics
