@@ -13,16 +13,18 @@ ROOT=${1:-runs/compare}
 shift || true
 METHODS=("$@")
 [ ${#METHODS[@]} -gt 0 ] || METHODS=(portool grpo dapo arpo grpo_fm arpo_fm)
-# CPU sizes: n = 4 trajectories per query (the paper: 8; ARPO starts 2 of them from the prompt and
-# may branch the other 2 after tool calls, half as at the default n = 8; with initial = n it could
-# never branch), 4 queries per iteration, 8 iterations,
-# up to 6 steps of at most 160 new tokens, held-out evaluation of 32 queries before and after;
-# packed rows of at most 4096 tokens (attention scores grow with the square of a row: a run with
-# 8192-token rows was killed for memory beside another job on a 24 GiB host).
-CPU=(--config.task.num_tasks=256 --config.rollout.tree.n=4 --config.rollout.max_new_tokens=160
-     --config.rollout.temperature=1.0 --config.rl.iterations=8 --config.rl.queries_per_iteration=4
-     --config.rl.eval_every=8 --config.rl.eval.num_tasks=32 --config.optimizer.learning_rate=5e-6
-     --config.rl.max_row_tokens=4096 --config.rl.arpo.initial=2)
+# CPU sizes: n = 8 trajectories per query as in the paper (at n = 4 and temperature 0.7, 18 of 24
+# GRPO-style groups had one reward for all their trajectories: no signal; at n = 8 and temperature
+# 1.0, 2 of 12), 2 queries per iteration, 6 iterations (96 trajectories a method; ARPO starts 4 of
+# them from the prompt, the default, and branches the others after tool calls), up to 6 steps of
+# at most 160 new tokens, held-out evaluation of 32 queries before and after; packed rows of at
+# most 4096 tokens (attention scores grow with the square of a row: a run with 8192-token rows was
+# killed for memory beside another job on a 24 GiB host). On a 2-core CPU in bf16 a method took
+# 12-18 min with its final evaluation.
+CPU=(--config.task.num_tasks=256 --config.rollout.tree.n=8 --config.rollout.max_new_tokens=160
+     --config.rollout.temperature=1.0 --config.rl.iterations=6 --config.rl.queries_per_iteration=2
+     --config.rl.eval_every=6 --config.rl.eval.num_tasks=32 --config.optimizer.learning_rate=5e-6
+     --config.rl.max_row_tokens=4096)
 WARM=$ROOT/warm_start
 if [ ! -f "$WARM/eval/iter_00000.metrics.json" ]; then
   # zero RL iterations: the SFT warm start (reused when policy/sft exists) and its held-out
