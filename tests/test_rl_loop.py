@@ -26,8 +26,9 @@ def test_failed_verdicts_are_dropped_counted_and_kept_and_a_query_twice_in_a_bat
         c = tiny_rl_config(tmp_path, "portool", server.base_url, iterations=1)
         c.task.num_tasks = 1
         c.rl.eval.num_tasks = 0
-        c.rl.skip_update_without_signal = False  # the step runs (its first ratio is checked) even if
-        tokenizer = smol_tokenizer()             # the tiny policy's judged leaves all score alike
+        # the update runs (its first ratio is checked below) though the tiny policy's judged leaves may all score alike
+        c.rl.skip_update_without_signal = False
+        tokenizer = smol_tokenizer()
         online.run(c, (tiny_model(tokenizer), tokenizer))
     finally:
         server.close()
