@@ -17,13 +17,14 @@ METHODS=("$@")
 # GRPO-style groups had one reward for all their trajectories: no signal; at n = 8 and temperature
 # 1.0, 2 of 12), 2 queries per iteration, 6 iterations (96 trajectories a method; ARPO starts 4 of
 # them from the prompt, the default, and branches the others after tool calls), up to 6 steps of
-# at most 160 new tokens, held-out evaluation of 32 queries before and after; packed rows of at
+# at most 160 new tokens, held-out evaluation of 96 queries before and after (at 32 an accuracy
+# interval spans +-0.15; 96 resolved PORTool's, DAPO's and GRPO's gains over the warm start); packed rows of at
 # most 4096 tokens (attention scores grow with the square of a row: a run with 8192-token rows was
-# killed for memory beside another job on a 24 GiB host). On a 2-core CPU in bf16 a method took
-# 12-18 min with its final evaluation.
+# killed for memory beside another job on a 24 GiB host). On a 2-core CPU in bf16 a method's 6
+# iterations took 8-20 min and an evaluation of 96 queries about 13-18 min.
 CPU=(--config.task.num_tasks=256 --config.rollout.tree.n=8 --config.rollout.max_new_tokens=160
      --config.rollout.temperature=1.0 --config.rl.iterations=6 --config.rl.queries_per_iteration=2
-     --config.rl.eval_every=6 --config.rl.eval.num_tasks=32 --config.optimizer.learning_rate=5e-6
+     --config.rl.eval_every=6 --config.rl.eval.num_tasks=96 --config.optimizer.learning_rate=5e-6
      --config.rl.max_row_tokens=4096)
 WARM=$ROOT/warm_start
 if [ ! -f "$WARM/eval/iter_00000.metrics.json" ]; then
