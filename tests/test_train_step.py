@@ -355,3 +355,7 @@ def test_minibatch_without_signal_takes_no_step_when_asked():
     mixed = rows(0.5)[:1] + rows(0.0)[:1]
     kept, m = train_on_rows(step, kept, mixed, minibatches=2, skip_without_signal=True)
     assert m["skipped_steps"] == 1.0 and m["signal_minibatches"] == 1.0 and int(kept.step) == 3
+    # which losses may skip: a policy loss without KL or entropy terms (the online loop's condition)
+    assert LossConfig().zero_advantages_zero_gradient
+    assert not any(LossConfig(**kw).zero_advantages_zero_gradient
+                   for kw in ({"kl_coef": 0.1}, {"entropy_coef": 0.01}, {"kind": "sft"}))

@@ -224,7 +224,7 @@ def train_on_rows(step_fn, state, rows, *, ppo_epochs: int = 1, minibatches: int
     padded to a multiple of its data shards and placed over them (every process holds the same
     rows: the global batch). `skip_without_signal`: a minibatch whose trained tokens all have
     advantage 0 takes no step (its policy gradient is 0, yet AdamW's momentum and weight decay
-    would still move the weights); only for losses without a KL or entropy term."""
+    would still move the weights); only where `LossConfig.zero_advantages_zero_gradient`."""
     shards = data_shards(mesh)
     host = pack_rows(rows, num_microbatches=num_microbatches * minibatches * shards, min_rows=min_rows,
                      max_length=max_length, attention_length=attention_length)

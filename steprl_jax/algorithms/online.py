@@ -195,8 +195,7 @@ class OnlineLoop:
         self.engine = RolloutEngine(self.sampler, tokenizer, self.suite.env,
                                     dataclasses.replace(rollout_config(config), with_entropy=True), seed=self.seed)
         self.loss = algorithm.loss(config)
-        self.skip_without_signal = (bool(self.rl.skip_update_without_signal)
-                                    and self.loss.kl_coef == 0 and self.loss.entropy_coef == 0)
+        self.skip_without_signal = bool(self.rl.skip_update_without_signal) and self.loss.zero_advantages_zero_gradient
         steps = int(self.rl.iterations) * int(self.rl.ppo_epochs) * int(self.rl.minibatches)
         self.optimizer = optimizer_config(config, steps)
         tx = make_optimizer(self.optimizer)

@@ -60,6 +60,12 @@ class LossConfig:
         if self.logprob_chunk is not None and self.logprob_chunk < 1:
             raise ValueError(f"logprob_chunk must be None (automatic) or >= 1, got {self.logprob_chunk}")
 
+    @property
+    def zero_advantages_zero_gradient(self) -> bool:
+        """Whether a batch whose advantages are all 0 has a zero gradient: a policy loss without a
+        KL or entropy term (such a batch may then skip its optimizer step, `train_on_rows`)."""
+        return self.kind == "policy" and self.kl_coef == 0 and self.entropy_coef == 0
+
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
