@@ -21,6 +21,7 @@ import json
 import os
 from typing import Any, Iterator, Optional
 
+from steprl_jax.errors import BadInput
 from steprl_jax import failpoints
 from steprl_jax.data.jsonl import append_whole
 
@@ -191,7 +192,7 @@ def record_from_json(data: dict, where: str):
     raise RecordError(f"{where}: unknown record type {kind!r}")
 
 
-class RecordError(ValueError):
+class RecordError(BadInput):
     """A records file holds a line that is not a valid record (the message names file and line)."""
 
 

@@ -10,12 +10,13 @@ import json
 import os
 from typing import Any, Mapping, Optional
 
+from steprl_jax.errors import BadInput
 from steprl_jax.evaluation.metrics import write_json_atomic
 
 MANIFEST = "run.json"
 
 
-class IncompatibleRunError(ValueError):
+class IncompatibleRunError(BadInput):
     """The workdir holds data made with a different value of a field that must not change."""
 
 

@@ -7,10 +7,12 @@ import json
 import os
 from typing import Any, Callable, Iterator, TypeVar
 
+from steprl_jax.errors import BadInput
+
 T = TypeVar("T")
 
 
-class DataFormatError(ValueError):
+class DataFormatError(BadInput):
     """A malformed record: the message names the file, the line number and what is wrong."""
 
 

@@ -10,6 +10,8 @@ import dataclasses
 import math
 from typing import Any, Optional
 
+from steprl_jax.errors import ConfigError  # noqa: F401  (a checkpoint config asks for what the model lacks)
+
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
 
 # HF model_type -> family.
@@ -26,8 +28,6 @@ _MODEL_TYPES = {
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
-class ConfigError(ValueError):
-    """A checkpoint config asks for something this model does not implement."""
 
 
 @dataclasses.dataclass(frozen=True)

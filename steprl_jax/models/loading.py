@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from steprl_jax.errors import BadInput
 from steprl_jax.models.config import ConfigError, ModelConfig
 from steprl_jax.models.hf_weights import canonical_name, weight_rules
 from steprl_jax.models.safetensors_io import SafetensorsFile
@@ -25,7 +26,7 @@ from steprl_jax.models.sharding import LOGICAL_AXIS_RULES, logical_to_spec
 from steprl_jax.models.transformer import Transformer
 
 
-class CheckpointError(ValueError):
+class CheckpointError(BadInput):
     """A checkpoint is missing a tensor, has an unexpected one, or a shape disagrees."""
 
 
