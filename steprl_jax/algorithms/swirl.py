@@ -38,7 +38,8 @@ from steprl_jax.algorithms import sft as sft_lib
 from steprl_jax.algorithms.offline import (OfflineSpec, export_adapters, export_policy, lora_fields, optimizer_config,
                                            train_offline, update_key)
 from steprl_jax.algorithms.rl import policy_temperature
-from steprl_jax.algorithms.workdir import check_manifest, clear_stage, mark_stage, stage_done
+from steprl_jax.algorithms.workdir import (IncompatibleRunError, check_manifest, clear_stage, key_differences,
+                                           mark_stage, stage_marker)
 from steprl_jax.data.units import Unit, read_units, write_units
 from steprl_jax.evaluation.metrics import write_json_atomic
 from steprl_jax.models.lora import LoraConfig
@@ -102,27 +103,70 @@ def run(config, model_and_tokenizer=None) -> dict:
         "task.offset": int(config.task.offset), "seed": int(config.seed),
         "swirl.samples_per_question": int(config.swirl.samples_per_question),
         "rollout.max_steps": int(config.rollout.max_steps), **lora_fields(config)})
+    for stage in stages:  # a resume that would mix settings is refused before the model loads
+        marker = stage_marker(config.workdir, stage)
+        if marker is not None:
+            _resume_allowed(config, stage, marker, _stage_key(config, stage))
     # With config.mesh the policy loads straight onto the trainer's mesh (training/distributed.py);
     # the stages that sample take a copy where this process samples (`_sampling_copy`).
     model, tokenizer = model_and_tokenizer or distributed.load_policy(config)
     summary = {}
     for stage in stages:
-        done = stage_done(config.workdir, stage)
-        if stage != "eval" and done is not None and done.get("key") == _stage_key(config, stage):
+        key = _stage_key(config, stage)
+        marker = stage_marker(config.workdir, stage)
+        if marker is not None and _resume_allowed(config, stage, marker, key) and marker["complete"] \
+                and stage != "eval" and _intact(config, stage, marker):
             log.info("stage %s: complete, skipped (%s)", stage, os.path.join(config.workdir, "stages"))
-            summary[stage] = done
+            summary[stage] = marker
             continue
         t0 = time.perf_counter()
+        mark_stage(config.workdir, stage, {"key": key, "complete": False})  # a resume checks its key
         result = _STAGE_FNS[stage](config, model, tokenizer)
         # What a stage read may have changed: later stages run again.
         for later in STAGES[STAGES.index(stage) + 1:]:
             clear_stage(config.workdir, later)
         failpoints.hit("swirl.stage.before_mark")
-        mark_stage(config.workdir, stage, {**result, "key": _stage_key(config, stage)})
+        mark_stage(config.workdir, stage, {**result, "key": key, "complete": True})
         failpoints.hit("swirl.stage.after_mark")
         summary[stage] = result
         log.info("stage %s done in %.1f s", stage, time.perf_counter() - t0)
     return summary
+
+
+# The files a stage appends to or resumes from: made with other settings, they would be mixed.
+_RESUMED_OUTPUTS = {"collect": ("trajectories.jsonl",), "judge": ("judged.jsonl",),
+                    "train": ("checkpoints/swirl",), "sft": ("checkpoints/sft",), "eval": ("eval",)}
+
+
+def _resume_allowed(config, stage: str, marker: dict, key: dict) -> bool:
+    """False when the stage's recorded settings differ but it rewrites its output anyway (filter,
+    or nothing on disk yet); an IncompatibleRunError when going on would mix two settings' data."""
+    differ = key_differences(marker.get("key", {}), key)
+    if not differ:
+        return True
+    present = [p for p in _RESUMED_OUTPUTS.get(stage, ()) if os.path.exists(_path(config, p))]
+    if present:
+        detail = "; ".join(differ)
+        raise IncompatibleRunError(
+            f"{_path(config, 'stages', stage + '.json')}: stage {stage!r} was run with other settings ({detail}); "
+            f"going on would mix them in {', '.join(present)}. Restore the recorded values, or remove "
+            f"{', '.join(present)} and the marker to run the stage afresh (or use a new workdir)")
+    return False
+
+
+def _intact(config, stage: str, marker: dict) -> bool:
+    """Whether a complete stage's output still holds what its marker counted (a record store
+    drops a torn last line when opened: the stage then runs again for what is missing)."""
+    files = {"collect": "trajectories.jsonl", "judge": "judged.jsonl"}
+    if stage not in files or "trajectories" not in marker:
+        return True
+    path = _path(config, files[stage])
+    held = sum(1 for r in RecordStore(path) if isinstance(r, Trajectory)) if os.path.exists(path) else 0
+    if held == marker["trajectories"]:
+        return True
+    log.warning("stage %s: %s holds %d trajectories, its marker counted %d: running it again for the missing ones",
+                stage, path, held, marker["trajectories"])
+    return False
 
 
 def _sampling_copy(config, model):
@@ -133,16 +177,34 @@ def _sampling_copy(config, model):
 
 def _stage_key(config, stage: str) -> dict:
     """The settings a stage's output depends on (beyond the run manifest): a completed stage with
-    the same key is skipped; one with another key runs again (and resumes what it can)."""
-    s = config.swirl
-    keys = {"collect": {"temperature": float(config.rollout.temperature)},
-            "judge": {"outcome": config.judge.outcome.kind, "process": config.judge.process.kind},
+    the same key is skipped; a stage whose key differs is refused where going on would mix data
+    made with both (`_resume_allowed`) and runs afresh where it rewrites its output."""
+    s, r, e = config.swirl, config.rollout, config.env
+    # how a stage batches its work changes nothing it writes (the same gradient, the same samples)
+    logistics = ("save_every", "num_microbatches", "max_microbatch_tokens")
+    reward_settings = ("kind", "scale", "base_url", "model", "votes")  # not its timeouts and retries
+    keys = {"collect": {"temperature": float(r.temperature), "top_k": int(r.top_k), "top_p": float(r.top_p),
+                        "max_new_tokens": int(r.max_new_tokens), "max_context": int(r.max_context),
+                        "max_result_chars": int(r.get("max_result_chars", 0)), "env.format": e.format,
+                        "env.tools": list(e.tools), "env.few_shot": int(e.get("few_shot", 0)),
+                        "env.invalid_action": e.get("invalid_action", "")},
+            "judge": {"outcome": config.judge.outcome.kind, "process": config.judge.process.kind,
+                      "outcome.model": config.judge.outcome.get("model", ""),
+                      "process.model": config.judge.process.get("model", ""),
+                      "outcome.votes": int(config.judge.outcome.get("votes", 1)),
+                      "process.votes": int(config.judge.process.get("votes", 1))},
             "filter": {"filter": s.filter, "granularity": s.granularity, "drop_easy": bool(s.drop_easy)},
-            "train": {"filter": s.filter, "granularity": s.granularity, **s.train.to_dict(),
-                      "reward": config.reward.to_dict(), "optimizer": config.optimizer.to_dict()},
-            "sft": {"filter": s.filter, "granularity": s.granularity, **s.sft.to_dict(),
+            "train": {"filter": s.filter, "granularity": s.granularity,
+                      **{k: v for k, v in s.train.to_dict().items() if k not in logistics},
+                      "reward": {k: v for k, v in config.reward.to_dict().items() if k in reward_settings},
+                      "optimizer": config.optimizer.to_dict()},
+            "sft": {"filter": s.filter, "granularity": s.granularity,
+                    **{k: v for k, v in s.sft.to_dict().items() if k not in logistics},
                     "optimizer": config.optimizer.to_dict()},
-            "eval": {}}
+            "eval": {"temperature": float(config.eval.temperature),
+                     "episodes_per_task": int(config.eval.episodes_per_task),
+                     "eval_path": config.task.get("eval_path", ""), "eval_offset": int(config.task.get("eval_offset", 0)),
+                     "eval_num_tasks": int(config.task.get("eval_num_tasks", 0))}}
     return keys[stage]
 
 

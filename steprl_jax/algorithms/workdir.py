@@ -1,8 +1,12 @@
 """A run's workdir: the manifest that stops a resumed run from mixing incompatible data, and
 the markers that say a stage is complete.
 
-    manifest = check_manifest(workdir, {"model.source": ..., "task.name": ..., ...})
+    manifest = check_manifest(workdir, {"job": "swirl", "model.source": ..., "task.name": ..., ...})
     if not stage_done(workdir, "filter"): ...; mark_stage(workdir, "filter", summary)
+
+A stage's marker holds the settings its output depends on (`key`) and whether it finished
+(`complete`); it is written when the stage starts, so that a resumed stage whose settings differ
+is refused before it appends anything (`key_differences`).
 """
 from __future__ import annotations
 
@@ -30,6 +34,10 @@ def check_manifest(workdir: str, fields: Mapping[str, Any]) -> dict:
         with open(path, encoding="utf-8") as f:
             recorded = json.load(f)
         differ = {k: (recorded[k], v) for k, v in fields.items() if k in recorded and recorded[k] != v}
+        if "job" in differ:
+            raise IncompatibleRunError(
+                f"{path}: this workdir holds a {recorded['job']!r} run; the {fields['job']!r} job would write into "
+                "it and mix their records: use another --config.workdir")
         if differ:
             detail = "; ".join(f"{k}: recorded {a!r}, now {b!r}" for k, (a, b) in differ.items())
             raise IncompatibleRunError(
@@ -44,6 +52,8 @@ def check_manifest(workdir: str, fields: Mapping[str, Any]) -> dict:
 def _plain(value):
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
     return value
 
 
@@ -51,13 +61,34 @@ def _marker(workdir: str, stage: str) -> str:
     return os.path.join(workdir, "stages", f"{stage}.json")
 
 
-def stage_done(workdir: str, stage: str) -> Optional[dict]:
-    """The summary a completed stage left, or None."""
+def stage_marker(workdir: str, stage: str) -> Optional[dict]:
+    """What a stage that started left (its key, `complete`, its summary when complete), or None."""
     path = _marker(workdir, stage)
     if not os.path.exists(path):
         return None
     with open(path, encoding="utf-8") as f:
-        return json.load(f)
+        marker = json.load(f)
+    marker.setdefault("complete", True)  # markers were written only at the end before
+    return marker
+
+
+def stage_done(workdir: str, stage: str) -> Optional[dict]:
+    """The summary a completed stage left, or None."""
+    marker = stage_marker(workdir, stage)
+    return marker if marker is not None and marker["complete"] else None
+
+
+def key_differences(recorded: Mapping[str, Any], now: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """'field: recorded X, now Y' for each field (nested mappings as dotted paths) that both hold
+    with different values; a field one of them lacks is not a difference (keys grow over time)."""
+    out = []
+    for name in sorted(set(recorded) & set(now)):
+        a, b = _plain(recorded[name]), _plain(now[name])
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            out += key_differences(a, b, f"{prefix}{name}.")
+        elif a != b:
+            out.append(f"{prefix}{name}: recorded {a!r}, now {b!r}")
+    return out
 
 
 def mark_stage(workdir: str, stage: str, summary: Mapping[str, Any]) -> None:
