@@ -11,6 +11,7 @@ import dataclasses
 from typing import Callable
 
 from steprl_jax.agents.environments import TaggedEnv, Task, ToolCallEnv
+from steprl_jax.errors import ConfigError
 from steprl_jax.judges import rules
 from steprl_jax.judges.items import tool_failed
 from steprl_jax.tools.registry import ToolRegistry
@@ -24,9 +25,38 @@ class TaskSuite:
     outcome_rule: Callable
 
 
-def _select(items, config):
-    start = int(config.task.offset)
-    return items[start:start + int(config.task.num_tasks)] if config.task.num_tasks else items[start:]
+# The arithmetic and tool-world tasks are generated: past this many a run builds tasks for
+# minutes (a billion grew memory at ~20 MB/s with no output), and every arithmetic split still
+# holds this many distinct questions.
+MAX_GENERATED_TASKS = 10_000
+
+
+def _window(config) -> tuple[int, int]:
+    """(task.offset, task.num_tasks); a count below 1 is an error, never a default."""
+    offset, count = int(config.task.offset), int(config.task.num_tasks)
+    if count < 1:
+        raise ConfigError(f"config.task.num_tasks: {count} is not allowed (an integer >= 1)")
+    if offset < 0:
+        raise ConfigError(f"config.task.offset: {offset} is not allowed (an integer >= 0)")
+    return offset, count
+
+
+def _generated(config, family: str) -> int:
+    """How many `family` tasks to generate: task.offset + task.num_tasks, within MAX_GENERATED_TASKS."""
+    offset, count = _window(config)
+    if offset + count > MAX_GENERATED_TASKS:
+        raise ConfigError(f"config.task.num_tasks: {count} is not allowed (task.offset + task.num_tasks at most "
+                          f"{MAX_GENERATED_TASKS}: the {family} tasks are generated)")
+    return offset + count
+
+
+def _select(items, config, source: str):
+    """Items [task.offset, task.offset + task.num_tasks) of `items` (the tasks in `source`): all there."""
+    offset, count = _window(config)
+    if offset + count > len(items):
+        raise ConfigError(f"config.task.num_tasks: {count} is not allowed (task.offset + task.num_tasks at most "
+                          f"{len(items)}: the tasks in {source})")
+    return items[offset:offset + count]
 
 
 def split_config(config, split: str):
@@ -38,6 +68,9 @@ def split_config(config, split: str):
         if split == "test" and "eval_path" in config.task:
             if config.task.eval_path:
                 config.task.path = config.task.eval_path
+            if int(config.task.eval_num_tasks) < 1:  # named here: past this point it is task.num_tasks
+                raise ConfigError(f"config.task.eval_num_tasks: {config.task.eval_num_tasks} is not allowed "
+                                  f"(an integer >= 1)")
             config.task.offset = int(config.task.eval_offset)
             config.task.num_tasks = int(config.task.eval_num_tasks)
     return config
@@ -65,14 +98,14 @@ def build_suite(config, split: str | None = None) -> TaskSuite:
         from steprl_jax.data.hotpotqa import hotpotqa_demonstrations
 
         rows = load_hotpotqa(config.task.path)
-        examples = _select(rows, config)
+        examples = _select(rows, config, config.task.path)
         tasks = [Task(e.id, e.question, list(e.answers)) for e in examples]
         corpus = config.task.corpus_path or config.task.path
         index = (BM25Search.from_jsonl(corpus) if corpus.endswith(".jsonl") and corpus != config.task.path
                  else BM25Search.from_hotpotqa(corpus))
         # Worked search examples from the file's other rows, never sharing a title with a task.
-        start = int(config.task.offset)
-        stop = start + int(config.task.num_tasks) if config.task.num_tasks else len(rows)
+        start, count = _window(config)
+        stop = start + count
         demos = hotpotqa_demonstrations(rows[:start] + rows[stop:], index, int(config.env.few_shot),
                                         top_k=int(config.task.search_top_k), exclude=examples)
         partial = float(config.judge.partial_f1) or None
@@ -87,18 +120,19 @@ def _math_tasks(config) -> list[Task]:
     if config.task.name == "arithmetic":
         from steprl_jax.data.arithmetic import arithmetic_problems, arithmetic_split
 
-        n = int(config.task.offset) + int(config.task.num_tasks or 32)
+        n = _generated(config, "arithmetic")
         problems = (arithmetic_split(config.task.split, n, seed=int(config.seed))
                     if config.task.split in ("train", "test") and config.task.get("splits", False)
                     else arithmetic_problems(n, seed=config.seed))
-        return [Task(p.id, p.question, p.answer) for p in _select(problems, config)]
+        return [Task(p.id, p.question, p.answer) for p in _select(problems, config, "the built-in arithmetic set")]
     from steprl_jax.data.gsm8k import load_gsm8k
 
     if not config.task.path:
         raise ValueError("config.task.path: a GSM8K JSONL file is needed for task.name=gsm8k")
     problems = load_gsm8k(config.task.path)
     offset = int(config.task.offset)
-    return [Task(f"gsm8k-{offset + i}", p.question, p.answer) for i, p in enumerate(_select(problems, config))]
+    return [Task(f"gsm8k-{offset + i}", p.question, p.answer)
+            for i, p in enumerate(_select(problems, config, config.task.path))]
 
 
 def _tagged_env(config, search_index, examples=()) -> TaggedEnv:
@@ -138,14 +172,16 @@ def _toolworld_data(config):
     from steprl_jax.tools.world.queries import make_splits
 
     world = generate_world(int(config.task.world_seed))
-    n = int(config.task.offset) + int(config.task.num_tasks or 64)
+    n = _generated(config, "toolworld")
     # The test split excludes every question of a fixed train pool, whatever this split's size:
     # question texts repeat across contexts, and a test set sized by its own count would exclude
     # only that many train questions (21 of 64 test questions were train questions 65-1024).
     splits = make_splits(int(config.task.world_seed), max(n, TRAIN_POOL), n, seed=int(config.seed))
     if config.task.split not in splits:
         raise ValueError(f"config.task.split: {config.task.split!r} is not one of {sorted(splits)}")
-    return world, splits, _select(splits[config.task.split], config)
+    if config.task.split == "test_held_out":  # the held-out templates' share of n test queries: fewer than n
+        return world, splits, splits["test_held_out"][int(config.task.offset):]
+    return world, splits, _select(splits[config.task.split], config, f"the tool world's {config.task.split} split")
 
 
 def _toolworld_suite(config) -> TaskSuite:

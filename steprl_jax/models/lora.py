@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from steprl_jax.errors import ConfigError
+
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 # how many leading (after "layers") axes of each projection are its input axes
 _INPUT_AXES = {"q": 1, "k": 1, "v": 1, "o": 2, "gate": 1, "up": 1, "down": 1}
@@ -52,6 +54,9 @@ class LoraConfig:
     @classmethod
     def from_config(cls, c) -> "LoraConfig | None":
         """config.lora (rank 0: off)."""
+        if c is not None and int(c.get("rank", 0)) < 0:  # not "off": a negative rank is a typo
+            raise ConfigError(f"config.lora.rank: {c.get('rank')} is not allowed "
+                              f"(an integer >= 0; 0: no adapters, every weight trains)")
         if c is not None and c.get("export_adapters", False) and int(c.get("rank", 0)) <= 0:
             raise ValueError("lora.export_adapters writes LoRA adapters, and lora.rank = 0 trains none: "
                              "set lora.rank > 0 or lora.export_adapters = False")
