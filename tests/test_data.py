@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 
@@ -42,3 +43,59 @@ def test_hotpotqa(tmp_path):
         load_hotpotqa(path)
     example = load_hotpotqa(path, skip_malformed=True)[0]
     assert example.answers == ("Shirley Temple",) and example.supporting_titles == ("A",)
+
+
+def test_bad_bytes_name_the_file_and_the_line(tmp_path):
+    """Bytes that are not UTF-8 are a DataFormatError naming file:line (a lenient load skips the
+    line), in task files, in any JSONL read with iter_json_lines, and in units files."""
+    from steprl_jax.data.jsonl import iter_json_lines
+    from steprl_jax.data.units import Unit, UnitsError, read_units, write_units
+
+    path = tmp_path / "g.jsonl"
+    path.write_bytes(json.dumps(GSM).encode() + b"\n" + json.dumps(GSM).encode().replace(b"Natalia", b"Nat\xe9lia")
+                     + b"\n" + json.dumps(GSM).encode() + b"\n")
+    with pytest.raises(DataFormatError, match=r"g.jsonl:2: not valid UTF-8 \(byte 0xe9 at byte 18 of the line\)"):
+        load_gsm8k(path)
+    report = LoadReport(str(path))
+    assert len(load_gsm8k(path, skip_malformed=True, report=report)) == 2 and report.skipped == 1
+    with pytest.raises(DataFormatError, match=r"g.jsonl:2: not valid UTF-8"):
+        list(iter_json_lines(path))
+
+    units = tmp_path / "units.jsonl"
+    write_units(str(units), [Unit("t", "q", 0, "Q?", "", "a", (1, 2), (3,), (-0.5,))] * 2)
+    units.write_bytes(units.read_bytes().replace(b'"Q?"', b'"Q\xff"', 1))
+    with pytest.raises(UnitsError, match=r"units.jsonl:1: not valid UTF-8"):
+        read_units(str(units))
+
+
+def test_read_json_names_a_damaged_file_and_the_way_on(tmp_path):
+    from steprl_jax.data.jsonl import read_json
+    from steprl_jax.errors import BadInput
+
+    path = tmp_path / "marker.json"
+    path.write_text('{"done": true}')
+    assert read_json(path, "delete it to run the stage again") == {"done": True}
+    for damaged in (b'{"done": tr', b'{"done": "\xff"}'):
+        path.write_bytes(damaged)
+        with pytest.raises(BadInput) as failure:
+            read_json(path, "delete it to run the stage again")
+        assert str(failure.value).startswith(f"{path}: not valid JSON (")
+        assert str(failure.value).endswith("); delete it to run the stage again")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("action_ids", "oops", "field 'action_ids' must be a list of non-negative integers"),
+    ("state_ids", [1, -1], "field 'state_ids' must be a list of non-negative integers"),
+    ("action_logprobs", [float("nan")], "field 'action_logprobs' must be a list of finite numbers"),
+    ("question", 7, "field 'question' must be a string"),
+    ("step_index", "0", "field 'step_index' must be a non-negative integer"),
+])
+def test_units_fields_are_checked_when_read(tmp_path, field, value, message):
+    from steprl_jax.data.units import Unit, UnitsError, read_units, write_units
+
+    path = tmp_path / "units.jsonl"
+    write_units(str(path), [Unit("t", "q", 0, "Q?", "", "a", (1, 2), (3,), (-0.5,))])
+    line = json.loads(path.read_text())
+    path.write_text(path.read_text() + json.dumps({**line, field: value}) + "\n")
+    with pytest.raises(UnitsError, match=rf"units.jsonl:2: {re.escape(message)}"):
+        read_units(str(path))

@@ -4,7 +4,8 @@ or CAP_SYS_ADMIN to mount a tmpfs; skipped otherwise, with the reason) and fille
 What must hold: the write that meets the full disk raises an OSError with errno ENOSPC that names
 the file; nothing half-written stays behind (no torn JSONL line, no checkpoint step that loads as
 complete); after space is freed the same store / log / checkpointer goes on, and a resumed one reads
-everything written before and after.
+everything written before and after. And a checkpoint step damaged on disk (no tmpfs needed): the
+run resumes from the step before it.
 """
 import contextlib
 import errno
@@ -226,3 +227,59 @@ def test_checkpoint_on_a_full_disk(disk, leave_kb):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     ckpt.close()
     resumed.close()
+
+
+def test_damaged_checkpoint_step_falls_back_to_the_step_before(tmp_path, caplog):
+    """A committed step whose array files were damaged afterwards: restore warns naming its folder,
+    moves it aside, and resumes bit-identically from the newest step that restores; that step can
+    be saved again. With no step left that restores: one error naming the directory and the way on."""
+    import glob
+
+    import jax
+
+    from steprl_jax.training.checkpoint import Checkpointer, DamagedCheckpointError
+
+    states = {step: _train_state(step) for step in (1, 2, 3)}
+    directory = tmp_path / "checkpoints"
+    ckpt = Checkpointer(str(directory), max_to_keep=3)
+    for step, state in states.items():
+        ckpt.save(state, data_position={"index": step}, step=step)
+    ckpt.close()
+
+    def damage(step):
+        data = glob.glob(str(directory / str(step) / "state" / "d" / "*"))
+        assert data
+        for path in data:
+            with open(path, "r+b") as f:
+                f.truncate(os.path.getsize(path) // 2)
+
+    def same(a, b):
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+    damage(3)
+    resumed = Checkpointer(str(directory), max_to_keep=3)
+    restored, position = resumed.restore(like=states[1])
+    assert position == {"index": 2}
+    same(restored, states[2])
+    assert f"{directory / '3'}: checkpoint step 3 does not restore" in caplog.text
+    assert f"moved the damaged checkpoint step to {directory / '3.damaged'}; resuming from step 2" in caplog.text
+    assert resumed.steps() == [1, 2] and sorted(os.listdir(directory)) == ["1", "2", "3.damaged"]
+    resumed.save(states[3], data_position={"index": 3}, step=3)  # the run saves that step again
+    resumed.close()
+    again = Checkpointer(str(directory))
+    restored, position = again.restore(like=states[1])
+    assert position == {"index": 3}
+    same(restored, states[3])
+
+    for step in (1, 2, 3):
+        damage(step)
+    with pytest.raises(DamagedCheckpointError) as failure:
+        again.restore(like=states[1])
+    message = str(failure.value)
+    assert message.startswith(f"{directory}: no checkpoint step restores (steps [3, 2, 1]; the newest, 3: ")
+    assert f"Delete the damaged step's folder ({directory / '3'})" in message and "delete the directory" in message
+    assert sorted(os.listdir(directory)) == ["1", "2", "3", "3.damaged"]  # nothing moved when nothing restores
+    with pytest.raises(DamagedCheckpointError, match=r"/2: checkpoint step 2 does not restore"):
+        again.restore(like=states[1], step=2)
+    again.close()

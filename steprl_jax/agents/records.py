@@ -9,21 +9,30 @@ re-tokenising text.
 A store is versioned JSONL, one trajectory (or tree) per line. Each record is
 written with a single `write` (continued if it stops short) on a file opened
 for appending, then fsynced, so an interrupted run leaves at most one
-incomplete last line, which a resumed run drops (it was never reported done).
-A write that fails (a full disk) removes what it wrote and raises an OSError
-naming the file, so the store can go on once there is space. A malformed line
-anywhere else is an error naming the file and the line.
+incomplete last line, which a resumed run removes with a warning (it was never
+reported done; `RecordStore.removed_ids` says which record it held). A last line
+that is whole and only lost its newline gets it back and stays. A write that
+fails (a full disk) removes what it wrote and raises an OSError naming the file,
+so the store can go on once there is space. Every line read is checked
+(`validate_record`, and `check_token_ids` where the store knows the vocabulary
+size); a malformed line anywhere else is a `RecordError` naming the file, the
+line and the field.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import math
 import os
+import re
 from typing import Any, Iterator, Optional
 
 from steprl_jax.errors import BadInput
 from steprl_jax import failpoints
-from steprl_jax.data.jsonl import append_whole
+from steprl_jax.data.jsonl import append_whole, iter_json_lines
+
+log = logging.getLogger(__name__)
 
 RECORD_VERSION = 1
 
@@ -176,56 +185,251 @@ class TreeRecord:
 
 
 def record_from_json(data: dict, where: str):
-    if not isinstance(data, dict):
-        raise RecordError(f"{where}: a record must be a JSON object")
-    version = data.get("version")
-    if version != RECORD_VERSION:
-        raise RecordError(f"{where}: record version {version!r} is not supported (expected {RECORD_VERSION})")
-    kind = data.get("type")
-    try:
-        if kind == "trajectory":
-            return Trajectory.from_json(data)
-        if kind == "tree":
-            return TreeRecord.from_json(data)
-    except TypeError as err:
-        raise RecordError(f"{where}: malformed {kind} record ({err})") from None
-    raise RecordError(f"{where}: unknown record type {kind!r}")
+    """The Trajectory or TreeRecord of a decoded line, checked first (`validate_record`)."""
+    validate_record(data, where)
+    if data["type"] == "trajectory":
+        return Trajectory.from_json(data)
+    return TreeRecord.from_json(data)
 
 
 class RecordError(BadInput):
     """A records file holds a line that is not a valid record (the message names file and line)."""
 
 
-class RecordStore:
-    """Append-only JSONL store of records; `done_ids()` tells a resumed run what to skip."""
+# ------------------------------------------------------------ checking a record's JSON
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
-    def __init__(self, path: str | os.PathLike):
+
+def _is_number(v) -> bool:
+    return (isinstance(v, float) or _is_int(v)) and math.isfinite(v)
+
+
+def _list_of(check):
+    return lambda v: isinstance(v, list) and all(check(x) for x in v)
+
+
+def _is_ids(v) -> bool:  # the long lists: checked with builtins (bool is not an id)
+    return isinstance(v, list) and all(type(x) is int for x in v) and (not v or min(v) >= 0)
+
+
+def _is_numbers(v) -> bool:
+    return isinstance(v, list) and all(type(x) in (float, int) for x in v) and all(map(math.isfinite, v))
+
+
+# Each field's (check, what the value must be); a field is required where its dataclass has no default.
+_ANY = (lambda v: True, "")
+_STRING = (lambda v: isinstance(v, str), "a string")
+_STRING_OR_NULL = (lambda v: v is None or isinstance(v, str), "a string or null")
+_OBJECT = (lambda v: isinstance(v, dict), "an object")
+_OBJECTS = (_list_of(lambda x: isinstance(x, dict)), "a list of objects")
+_IDS = (_is_ids, "a list of non-negative integer token ids")
+_FLOATS = (_is_numbers, "a list of finite numbers")
+_NUMBER = (_is_number, "a finite number")
+_STEP_FIELDS = {
+    "action_text": _STRING, "action_ids": _IDS, "action_logprobs": _FLOATS, "observation_text": _STRING,
+    "observation_ids": _IDS, "tool_calls": _OBJECTS, "tool_results": _OBJECTS, "kind": _STRING,
+    "format_problems": (_list_of(lambda x: isinstance(x, str)), "a list of strings"), "format_checks": _OBJECT,
+    "finish_reason": _STRING, "generate_s": _NUMBER, "tool_s": _NUMBER,
+    "action_entropies": (lambda v: v is None or _is_numbers(v), "null or a list of finite numbers")}
+_RECORD_FIELDS = {"version": _ANY, "type": _ANY, "id": _STRING, "query_id": _STRING, "question": _STRING,
+                  "prompt_text": _STRING, "prompt_ids": _IDS, "reference_answer": _ANY, "metadata": _OBJECT}
+_TRAJECTORY_FIELDS = {**_RECORD_FIELDS, "steps": _OBJECTS, "final_answer": _STRING_OR_NULL, "termination": _STRING,
+                      "judgements": _OBJECT}
+_TREE_FIELDS = {**_RECORD_FIELDS, "nodes": _OBJECTS, "leaf_outcomes": _OBJECT, "leaf_terminations": _OBJECT,
+                "leaf_answers": _OBJECT}
+_NODE_FIELDS = {"parent": (_is_int, "an integer"), "depth": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+                "step": _OBJECT}
+
+
+def _required(cls) -> set:
+    return {f.name for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+
+
+def _short(value) -> str:
+    text = repr(value) if isinstance(value, float) else json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_fields(data: dict, fields: dict, required: set, where: str, prefix: str = "") -> None:
+    for name in data:
+        if name not in fields:
+            raise RecordError(f"{where}: unknown field '{prefix}{name}'")
+    for name in fields:
+        if name in required and name not in data:
+            raise RecordError(f"{where}: missing field '{prefix}{name}'")
+    for name, value in data.items():
+        check, what = fields[name]
+        if not check(value):
+            raise RecordError(f"{where}: field '{prefix}{name}' must be {what}, got {_short(value)}")
+
+
+def _check_step(step: dict, where: str, prefix: str) -> None:
+    _check_fields(step, _STEP_FIELDS, _required(Step), where, prefix)
+    ids, logprobs = step["action_ids"], step["action_logprobs"]
+    if len(ids) != len(logprobs):
+        raise RecordError(f"{where}: field '{prefix}action_logprobs' has {len(logprobs)} values for "
+                          f"{len(ids)} action_ids (one log-prob per action token)")
+
+
+def _check_tree(data: dict, where: str) -> None:
+    nodes = data.get("nodes", [])
+    for i, node in enumerate(nodes):
+        _check_fields(node, _NODE_FIELDS, set(_NODE_FIELDS), where, f"nodes[{i}].")
+        if not -1 <= node["parent"] < i:  # an earlier node: no cycles, every path ends at -1
+            raise RecordError(f"{where}: field 'nodes[{i}].parent' is {node['parent']}, not -1 or an "
+                              f"earlier node's index")
+        _check_step(node["step"], where, f"nodes[{i}].step.")
+    for field in ("leaf_outcomes", "leaf_terminations", "leaf_answers"):
+        for key, value in data.get(field, {}).items():
+            if not (key.isdigit() and int(key) < len(nodes)):
+                raise RecordError(f"{where}: field '{field}' has key {key!r}, not a node index")
+            if field == "leaf_outcomes" and not (value is None or _is_number(value)):  # None: no verdict
+                raise RecordError(f"{where}: field 'leaf_outcomes.{key}' must be a finite number or null, "
+                                  f"got {_short(value)}")
+
+
+def validate_record(data, where: str) -> None:
+    """Raise `RecordError` naming `where` (file:line) and the field unless `data` is a valid record:
+    its type's fields, each of the right type; token ids non-negative integers; one finite log-prob
+    per action token; a tree's parents earlier nodes (or -1) and its leaf keys node indices."""
+    if not isinstance(data, dict):
+        raise RecordError(f"{where}: a record must be a JSON object")
+    version = data.get("version")
+    if version != RECORD_VERSION:
+        raise RecordError(f"{where}: record version {version!r} is not supported (expected {RECORD_VERSION})")
+    kind = data.get("type")
+    if kind == "trajectory":
+        _check_fields(data, _TRAJECTORY_FIELDS, _required(Trajectory), where)
+        for i, step in enumerate(data.get("steps", [])):
+            _check_step(step, where, f"steps[{i}].")
+        judgements = data.get("judgements", {})
+        if not isinstance(judgements.get("outcome", {}), dict):
+            raise RecordError(f"{where}: field 'judgements.outcome' must be an object")
+        if not _OBJECTS[0](judgements.get("process", [])):
+            raise RecordError(f"{where}: field 'judgements.process' must be a list of objects")
+    elif kind == "tree":
+        _check_fields(data, _TREE_FIELDS, _required(TreeRecord), where)
+        _check_tree(data, where)
+    else:
+        raise RecordError(f"{where}: unknown record type {kind!r}")
+
+
+def check_token_ids(record, vocab_size: int, where: str) -> None:
+    """Raise `RecordError` naming `where` and the field if a token id of `record` (a Trajectory or
+    a TreeRecord) is outside the vocabulary [0, vocab_size)."""
+    if isinstance(record, Trajectory):
+        steps = [(f"steps[{i}].", s) for i, s in enumerate(record.steps)]
+    else:
+        steps = [(f"nodes[{i}].step.", n.step) for i, n in enumerate(record.nodes)]
+    fields = [("prompt_ids", record.prompt_ids)]
+    for prefix, step in steps:
+        fields += [(prefix + "action_ids", step.action_ids), (prefix + "observation_ids", step.observation_ids)]
+    for field, ids in fields:
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise RecordError(f"{where}: field '{field}' holds token id {bad}, outside the vocabulary "
+                              f"[0, {vocab_size}) (records made with another tokenizer?)")
+
+
+# ------------------------------------------------------------ the store
+def _last_line_start(f, size: int) -> int:
+    """Offset just after the last newline in the first `size` bytes of `f` (0 if there is none)."""
+    end = size
+    while end > 0:
+        start = max(0, end - (1 << 16))
+        f.seek(start)
+        at = f.read(end - start).rfind(b"\n")
+        if at >= 0:
+            return start + at + 1
+        end = start
+    return 0
+
+
+def _count_newlines(f, end: int) -> int:
+    f.seek(0)
+    count, left = 0, end
+    while left > 0:
+        chunk = f.read(min(left, 1 << 20))
+        count, left = count + chunk.count(b"\n"), left - len(chunk)
+    return count
+
+
+def _whole_json(line: bytes) -> bool:
+    """A JSON object ends with its closing brace: one that parses was written whole."""
+    try:
+        return isinstance(json.loads(line.decode("utf-8")), dict)
+    except ValueError:
+        return False
+
+
+_LINE_HEAD = re.compile(rb'^\{"version": \d+, "type": "\w+", "id": ("(?:[^"\\]|\\.)*")')
+
+
+def _record_id(line: bytes) -> Optional[str]:
+    """The id at the head of a cut line (records are written version, type, id first), if it is whole."""
+    match = _LINE_HEAD.match(line)
+    try:
+        return json.loads(match.group(1).decode("utf-8")) if match else None
+    except ValueError:
+        return None
+
+
+class RecordStore:
+    """Append-only JSONL store of records; `done_ids()` tells a resumed run what to skip.
+
+    With `vocab_size`, every record read must have its token ids in [0, vocab_size). After opening,
+    `removed_ids` holds the id of the record on an incomplete last line that was removed ([] when
+    none was, [None] when the cut line no longer shows its id) and `removed_lines` counts such
+    lines (0 or 1): the stage that writes the file must write that record again."""
+
+    def __init__(self, path: str | os.PathLike, vocab_size: Optional[int] = None):
         self.path = os.fspath(path)
+        self.vocab_size = vocab_size
+        self.removed_ids: list = []
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         self._repair_incomplete_tail()
 
+    @property
+    def removed_lines(self) -> int:
+        return len(self.removed_ids)
+
     def _repair_incomplete_tail(self) -> None:
-        """Drop a last line without its newline: the write it belonged to never finished."""
+        """A last line without its newline: whole JSON (only the newline was lost) gets the newline
+        back and stays; anything else is a write that never finished, and is removed."""
         if not os.path.exists(self.path):
             return
+        with open(self.path, "rb") as f:
+            start = _last_line_start(f, f.seek(0, os.SEEK_END))
+            f.seek(start)
+            tail = f.read()
+        if not tail:  # empty, or ends with a newline
+            return
+        whole = _whole_json(tail)
         with open(self.path, "rb+") as f:
-            data = f.read()
-            if data and not data.endswith(b"\n"):
-                f.truncate(data.rfind(b"\n") + 1)
+            if whole:
+                f.seek(0, os.SEEK_END)
+                f.write(b"\n")
+            else:
+                f.truncate(start)
+            os.fsync(f.fileno())
+            number = _count_newlines(f, start) + 1
+        if not whole:
+            self.removed_ids = [_record_id(tail)]
+            log.warning("%s:%d: removed an incomplete last line (%d bytes, record id %s): its write never "
+                        "finished, so that record is not done and is written again", self.path, number,
+                        len(tail), "unreadable" if self.removed_ids[0] is None else repr(self.removed_ids[0]))
 
     def __iter__(self) -> Iterator:
         if not os.path.exists(self.path):
             return
-        with open(self.path, encoding="utf-8") as f:
-            for number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                where = f"{self.path}:{number}"
-                try:
-                    data = json.loads(line)
-                except ValueError as err:
-                    raise RecordError(f"{where}: invalid JSON ({err})") from None
-                yield record_from_json(data, where)
+        for number, data in iter_json_lines(self.path, RecordError):
+            where = f"{self.path}:{number}"
+            record = record_from_json(data, where)
+            if self.vocab_size is not None:
+                check_token_ids(record, self.vocab_size, where)
+            yield record
 
     def load(self) -> list:
         return list(self)

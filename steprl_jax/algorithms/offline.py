@@ -10,11 +10,15 @@ Resume. An orbax checkpoint every `save_every` updates holds the train state (pa
 optimizer, step, its RNG key) and the data position (the next update); the item order is a
 permutation per epoch from the seed, and every sampling key is `fold_in(seed key, update)`, so
 a resumed run continues bit-identically. The policy is exported (Hugging Face format) at the end.
+
+A train step whose loss, gradient norm or learning rate is not finite stops the run with a
+`NonFiniteError` before anything more is saved: no checkpoint or export of such weights.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import time
 from typing import Any, Callable, Optional, Sequence
@@ -38,6 +42,13 @@ from steprl_jax.training.state import merge_model, split_model
 from steprl_jax.training.step import data_shards
 
 log = logging.getLogger(__name__)
+
+# A train step where one of these is not finite has made the weights unusable.
+MUST_BE_FINITE = ("loss", "grad_norm", "learning_rate")
+
+
+class NonFiniteError(RuntimeError):
+    """Training produced a NaN or an infinity (the message names the update, the step and the metric)."""
 
 
 @dataclasses.dataclass
@@ -178,7 +189,8 @@ def train_offline(spec: OfflineSpec, model, *, workdir: str, seed: int, ref_para
                 log.warning("%s: update %d has no rows (every sample dropped); skipped", spec.name, update)
                 metrics = {**metrics, "skipped": 1.0}
             else:
-                state = _train_update(spec, step_fn, logprob_fn, ref_params, state, rows, metrics, t0, mesh)
+                state = _train_update(spec, step_fn, logprob_fn, ref_params, state, rows, metrics, t0, mesh,
+                                      where=f"{spec.name} update {update + 1}")
             trim_heap()  # the update's buffers back to the system (training/host_memory.py)
             if metrics_log is not None:
                 metrics_log.write(update + 1, metrics)
@@ -197,11 +209,11 @@ def train_offline(spec: OfflineSpec, model, *, workdir: str, seed: int, ref_para
 
 
 def _train_update(spec: OfflineSpec, step_fn, logprob_fn, ref_params, state, rows, metrics: dict, t0: float,
-                  mesh=None):
+                  mesh=None, where: str = ""):
     state, train_metrics = train_on_rows(step_fn, state, rows, ppo_epochs=spec.ppo_epochs, minibatches=spec.minibatches,
                                          num_microbatches=spec.num_microbatches, min_rows=spec.min_rows,
                                          max_length=spec.max_length, logprob_fn=logprob_fn, ref_params=ref_params,
-                                         attention_length=spec.attention_length, mesh=mesh)
+                                         attention_length=spec.attention_length, mesh=mesh, where=where)
     metrics.update(train_metrics, update_s=time.perf_counter() - t0)
     return state
 
@@ -218,13 +230,15 @@ def pack_rows(rows, *, num_microbatches: int = 1, min_rows: int = 0, max_length:
 
 def train_on_rows(step_fn, state, rows, *, ppo_epochs: int = 1, minibatches: int = 1, num_microbatches: int = 1,
                   min_rows: int = 0, max_length: Optional[int] = None, logprob_fn=None, ref_params=None,
-                  attention_length: float = 0.0, mesh=None, skip_without_signal: bool = False):
+                  attention_length: float = 0.0, mesh=None, skip_without_signal: bool = False, where: str = ""):
     """Pack `rows` (`pack_rows`) and run ppo_epochs x minibatches train steps; returns (state,
     metrics). The loop every algorithm shares (offline and online). With a `mesh` the rows are
     padded to a multiple of its data shards and placed over them (every process holds the same
     rows: the global batch). `skip_without_signal`: a minibatch whose trained tokens all have
     advantage 0 takes no step (its policy gradient is 0, yet AdamW's momentum and weight decay
-    would still move the weights); only where `LossConfig.zero_advantages_zero_gradient`."""
+    would still move the weights); only where `LossConfig.zero_advantages_zero_gradient`.
+    A step whose loss, gradient norm or learning rate is not finite raises `NonFiniteError`
+    naming `where` (e.g. "sft update 3"), the train step and the metric."""
     shards = data_shards(mesh)
     host = pack_rows(rows, num_microbatches=num_microbatches * minibatches * shards, min_rows=min_rows,
                      max_length=max_length, attention_length=attention_length)
@@ -246,13 +260,27 @@ def train_on_rows(step_fn, state, rows, *, ppo_epochs: int = 1, minibatches: int
                                                   part.key_blocks))
                  for part in parts]
     t1 = time.perf_counter()
+    first_step = int(jax.device_get(state.step))
     step_metrics = []
     for _ in range(ppo_epochs):
         for part in parts:
             state, m = step_fn(state, part)
             step_metrics.append(m)
     step_metrics = jax.device_get(step_metrics)
+    check_finite(step_metrics, first_step, where)
     return state, {**_first_and_mean(step_metrics), **metrics, "train_s": time.perf_counter() - t1}
+
+
+def check_finite(step_metrics: list[dict], first_step: int, where: str = "") -> None:
+    """`NonFiniteError` at the first train step whose loss, gradient norm or learning rate is not
+    finite (`first_step`: the state's step before the first of `step_metrics`)."""
+    for i, m in enumerate(step_metrics):
+        for name in MUST_BE_FINITE:
+            if name in m and not math.isfinite(float(m[name])):
+                raise NonFiniteError(
+                    f"{where + ': ' if where else ''}{name} is {float(m[name])} at train step {first_step + i + 1}; "
+                    "the weights are no longer usable, so nothing more is saved or exported. Lower the learning "
+                    "rate (optimizer.learning_rate) or check the data, then resume from the last checkpoint")
 
 
 def _first_and_mean(step_metrics: list[dict]) -> dict:
@@ -276,9 +304,31 @@ def export_policy(graphdef, state, tokenizer, out_dir: str, *, adapters: bool = 
 
     params, rest = (state.params, state.rest) if jax.process_count() == 1 else \
         distributed.host_copy((state.params, state.rest))
+    require_finite_params(params, out_dir)
     out = None
     if distributed.is_primary():  # LoRA adapters merged into the weights (and, with `adapters`, kept apart too)
         out = export_hf(merge_model(graphdef, params, rest), tokenizer, out_dir, overwrite=True, adapters=adapters,
                         base_source=base_source)
     distributed.barrier(f"exported {out_dir}")
     return out
+
+
+@jax.jit
+def _leaves_finite(params):
+    return jax.tree.map(lambda x: jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else True,
+                        params)
+
+
+def require_finite_params(params, out_dir: str) -> None:
+    """`NonFiniteError` naming the first parameter that holds a NaN or an infinity: such a policy
+    is never exported."""
+    if all(isinstance(x, jax.Array) for x in jax.tree.leaves(params)):
+        finite = jax.device_get(_leaves_finite(params))
+    else:  # host copies
+        finite = jax.tree.map(lambda x: not jnp.issubdtype(x.dtype, jnp.inexact) or bool(np.all(np.isfinite(x))),
+                              params)
+    for path, ok in jax.tree_util.tree_flatten_with_path(finite)[0]:
+        if not ok:
+            raise NonFiniteError(f"{out_dir}: not exported: parameter {jax.tree_util.keystr(path)} holds NaN or "
+                                 "infinite values. Lower the learning rate (optimizer.learning_rate) and train again "
+                                 "from an earlier checkpoint")

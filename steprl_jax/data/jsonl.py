@@ -26,16 +26,47 @@ class LoadReport:
     first_errors: list[str] = dataclasses.field(default_factory=list)
 
 
-def iter_json_lines(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
-    """(line number, decoded value) for each non-blank line; bad JSON raises `DataFormatError`."""
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield number, json.loads(line)
-            except ValueError as err:
-                raise DataFormatError(f"{path}:{number}: invalid JSON ({err})") from None
+def iter_text_lines(path: str | os.PathLike, error: type = DataFormatError) -> Iterator[tuple[int, str]]:
+    """(line number, text) of each line of `path`, its newline kept. Each line is decoded on its
+    own, so that bytes that are not UTF-8 are an `error` (default `DataFormatError`) naming the
+    file and the line, not a bare UnicodeDecodeError."""
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            yield number, decode_line(raw, f"{path}:{number}", error)
+
+
+def decode_line(raw: bytes, where: str, error: type = DataFormatError) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise error(
+            f"{where}: not valid UTF-8 (byte {raw[err.start]:#04x} at byte {err.start + 1} of the line)") from None
+
+
+def parse_line(text: str, where: str, error: type = DataFormatError) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as err:
+        raise error(f"{where}: invalid JSON ({err})") from None
+
+
+def iter_json_lines(path: str | os.PathLike, error: type = DataFormatError) -> Iterator[tuple[int, Any]]:
+    """(line number, decoded value) for each non-blank line; bad bytes or bad JSON raise `error`
+    (default `DataFormatError`) naming the file and the line."""
+    for number, line in iter_text_lines(path, error):
+        if line.strip():
+            yield number, parse_line(line, f"{path}:{number}", error)
+
+
+def read_json(path: str | os.PathLike, how_to_go_on: str) -> Any:
+    """The JSON value in the file `path` (a marker, a manifest). A damaged file (bad bytes, invalid
+    JSON) is a `DataFormatError`: "{path}: not valid JSON ({error}); {how_to_go_on}"."""
+    with open(path, "rb") as handle:
+        raw = handle.read()
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except ValueError as err:  # UnicodeDecodeError is a ValueError too
+        raise DataFormatError(f"{path}: not valid JSON ({err}); {how_to_go_on}") from None
 
 
 def require(record: Any, field: str, kind: type | tuple[type, ...], where: str) -> Any:
@@ -64,17 +95,13 @@ def load_records(
     """
     report = report if report is not None else LoadReport(path=str(path))
     records: list[T] = []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
             where = f"{path}:{number}"
             try:
-                try:
-                    value = json.loads(line)
-                except ValueError as err:
-                    raise DataFormatError(f"{where}: invalid JSON ({err})") from None
-                records.append(parse(value, where))
+                text = decode_line(raw, where)
+                if text.strip():
+                    records.append(parse(parse_line(text, where), where))
             except DataFormatError as err:
                 if not skip_malformed:
                     raise

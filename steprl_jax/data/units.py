@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import tempfile
 from typing import Iterable, Optional
@@ -72,12 +73,28 @@ def _parse_unit(data, where: str) -> Unit:
     missing, unknown = _FIELDS - set(fields) - {"process_label", "outcome_label"}, set(fields) - _FIELDS
     if missing or unknown:
         raise UnitsError(f"{where}: missing fields {sorted(missing)}, unknown fields {sorted(unknown)}")
+    for name, (check, what) in _CHECKS.items():
+        if name in fields and not check(fields[name]):
+            raise UnitsError(f"{where}: field '{name}' must be {what}")
     unit = Unit(**{**fields, **{k: tuple(fields[k]) for k in ("state_ids", "action_ids", "action_logprobs")}})
     if not unit.state_ids or not unit.action_ids or len(unit.action_ids) != len(unit.action_logprobs):
         raise UnitsError(f"{where}: a unit needs state and action ids, one log-prob per action token")
-    if not all(isinstance(t, int) and t >= 0 for t in unit.state_ids + unit.action_ids):
-        raise UnitsError(f"{where}: token ids must be non-negative integers")
     return unit
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+_TEXT = (lambda v: isinstance(v, str), "a string")
+_LABEL = (lambda v: v is None or isinstance(v, str), "a string or null")
+_IDS = (lambda v: isinstance(v, list) and all(_is_int(t) and t >= 0 for t in v), "a list of non-negative integers")
+_CHECKS = {"trajectory_id": _TEXT, "query_id": _TEXT, "question": _TEXT, "history_text": _TEXT, "action_text": _TEXT,
+           "step_index": (lambda v: _is_int(v) and v >= 0, "a non-negative integer"), "state_ids": _IDS,
+           "action_ids": _IDS, "process_label": _LABEL, "outcome_label": _LABEL,
+           "action_logprobs": (lambda v: isinstance(v, list) and all(
+               isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v),
+               "a list of finite numbers")}
 
 
 def read_units(path: str) -> list[Unit]:

@@ -13,9 +13,15 @@ save killed before that leaves `<step>.orbax-checkpoint-tmp`, never listed nor l
 when that step is saved again); a save the storage refuses (a full disk) removes its partial
 folder and raises an OSError naming the step's path, and the same Checkpointer saves again once
 there is space.
+
+A committed step that no longer restores (damaged files) is not the end of a run: `restore` falls
+back to the newest step that does, with a warning, and moves the damaged step's folder aside to
+`<step>.damaged` (kept to look at; never listed nor loaded) so that the step can be saved again.
+When no step restores, `DamagedCheckpointError` names the directory and the way on.
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -25,10 +31,23 @@ import jax
 import orbax.checkpoint as ocp
 
 from steprl_jax import failpoints
+from steprl_jax.errors import BadInput
 from steprl_jax.training.state import TrainState
+
+log = logging.getLogger(__name__)
 
 
 _TMP_SUFFIX = ocp.path.step.TMP_DIR_SUFFIX  # a step folder orbax has not committed (renamed) yet
+_DAMAGED_SUFFIX = ".damaged"  # a step folder that did not restore, moved aside
+
+
+class DamagedCheckpointError(BadInput):
+    """No checkpoint step restores (the message names the directory and how to go on)."""
+
+
+def _one_line(error: BaseException, limit: int = 300) -> str:
+    text = " ".join(f"{type(error).__name__}: {error}".split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _os_error_code(error: BaseException) -> Optional[int]:
@@ -101,14 +120,61 @@ class Checkpointer:
         return self._manager.latest_step()
 
     def restore(self, like: TrainState, step: Optional[int] = None) -> Tuple[TrainState, Any]:
-        """(state, data_position) at `step` (default: the latest)."""
-        step = self.latest_step() if step is None else step
-        if step is None:
+        """(state, data_position) at `step`, or by default at the newest step that restores: a
+        newer one that does not is moved aside (`<step>.damaged`) with a warning."""
+        if step is not None:
+            try:
+                return self._restore(like, step)
+            except Exception as error:
+                raise DamagedCheckpointError(
+                    f"{self._step_dir(step)}: checkpoint step {step} does not restore ({_one_line(error)}); "
+                    "delete that folder to resume from an earlier step") from error
+        steps = sorted(self.steps(), reverse=True)
+        if not steps:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        damaged = []
+        for candidate in steps:
+            try:
+                out = self._restore(like, candidate)
+            except Exception as error:
+                log.warning("%s: checkpoint step %d does not restore (%s); trying the step before it",
+                            self._step_dir(candidate), candidate, _one_line(error))
+                damaged.append((candidate, error))
+                continue
+            if damaged:
+                self._set_aside([s for s, _ in damaged], restored=candidate)
+            return out
+        newest, error = damaged[0]
+        raise DamagedCheckpointError(
+            f"{self.directory}: no checkpoint step restores (steps {steps}; the newest, {newest}: "
+            f"{_one_line(error)}). Delete the damaged step's folder ({self._step_dir(newest)}) to resume from "
+            "the step before it, or delete the directory to start this stage over") from error
+
+    def _restore(self, like: TrainState, step: int) -> Tuple[TrainState, Any]:
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
         out = self._manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
         return out["state"], out["data"]["data_position"]
+
+    def _step_dir(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
+
+    def _set_aside(self, steps: list, restored: int) -> None:
+        """Rename the folders of `steps` (newer than `restored`, which restored) to `<step>.damaged`:
+        orbax no longer lists them, and those steps can be saved again."""
+        from steprl_jax.training import distributed
+
+        if distributed.is_primary():
+            for step in steps:
+                target = self._step_dir(step) + _DAMAGED_SUFFIX
+                n = 1
+                while os.path.exists(target):
+                    target, n = f"{self._step_dir(step)}{_DAMAGED_SUFFIX}{n}", n + 1
+                os.rename(self._step_dir(step), target)
+                log.warning("%s: moved the damaged checkpoint step to %s; resuming from step %d",
+                            self._step_dir(step), target, restored)
+        distributed.barrier(f"checkpoint steps {steps} set aside")
+        self._manager.reload()
 
     def close(self):
         self._manager.close()

@@ -5,7 +5,9 @@
     log.close()
 
 Each line is {"stage", "step", "time", "rss_gb", "peak_rss_gb", **metrics} (the process's resident
-memory now and at its peak, GiB, Linux), written with one append and fsynced. A resumed
+memory now and at its peak, GiB, Linux), written with one append and fsynced. A metric that is not
+finite is written as null and named under "non_finite" ({"loss": "nan"}), so that the line stays
+valid JSON and the value is seen (TensorBoard gets the value itself). A resumed
 run may repeat steps it logged after its last checkpoint; readers keep the last line per
 (stage, step) (`read_metrics`). TensorBoard events go to `tb/<stage>/`: one event per update with
 every scalar, framed as TensorBoard's records (tensorboardX's protos; no TensorFlow needed) and
@@ -25,7 +27,7 @@ import struct
 import time
 from typing import Mapping
 
-from steprl_jax.data.jsonl import append_whole
+from steprl_jax.data.jsonl import DataFormatError, append_whole, decode_line, parse_line
 
 
 class MetricsLog:
@@ -36,11 +38,14 @@ class MetricsLog:
         self._events = EventFile(os.path.join(workdir, "tb", stage))
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
-        clean = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
-        clean = {**memory_gb(), **clean}
-        line = json.dumps({"stage": self.stage, "step": int(step), "time": time.time(), **clean}) + "\n"
-        append_whole(self.path, line.encode())
-        self._events.scalars(int(step), {f"{self.stage}/{key}": value for key, value in clean.items()})
+        values = {**memory_gb(), **{k: float(v) for k, v in metrics.items() if v is not None}}
+        row = {"stage": self.stage, "step": int(step), "time": time.time(),
+               **{k: v if math.isfinite(v) else None for k, v in values.items()}}
+        non_finite = {k: str(v) for k, v in values.items() if not math.isfinite(v)}
+        if non_finite:
+            row["non_finite"] = non_finite
+        append_whole(self.path, (json.dumps(row, allow_nan=False) + "\n").encode())
+        self._events.scalars(int(step), {f"{self.stage}/{key}": value for key, value in values.items()})
 
     def close(self) -> None:
         pass  # every write is on disk when it returns
@@ -87,16 +92,33 @@ class EventFile:
 
 
 def read_metrics(workdir: str) -> dict[str, list[dict]]:
-    """stage -> its lines in step order, the last line kept per step."""
+    """stage -> its lines in step order, the last line kept per step. A last line cut short (no
+    newline) is skipped; any other line that is not a JSON object with "stage" and "step" is a
+    `DataFormatError` naming the file and the line. Non-finite metrics read as None (their
+    values are under "non_finite")."""
     path = os.path.join(workdir, "metrics.jsonl")
     by_stage: dict = {}
     if not os.path.exists(path):
         return {}
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except ValueError:  # a last line cut by an interruption
-                continue
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            where = f"{path}:{number}"
+            if not raw.endswith(b"\n"):  # the last line: an interruption may have cut it
+                try:
+                    row = json.loads(raw.decode("utf-8"))
+                except ValueError:
+                    continue
+            else:
+                text = decode_line(raw, where)
+                if not text.strip():
+                    continue
+                row = parse_line(text, where)
+            if not (isinstance(row, dict) and isinstance(row.get("stage"), str) and _is_int(row.get("step"))):
+                raise DataFormatError(f"{where}: a metrics line must be an object with a 'stage' and an integer "
+                                      "'step'")
             by_stage.setdefault(row["stage"], {})[row["step"]] = row
     return {stage: [rows[s] for s in sorted(rows)] for stage, rows in by_stage.items()}
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
