@@ -2,8 +2,14 @@
 
 Standard library only (ThreadingHTTPServer): each connection is handled on its own thread, and the
 engine batches concurrent generations. Not supported (answered with a clear 400): non-text content
-parts. Unknown request fields are ignored, as OpenAI clients send many. Errors use OpenAI's shape:
-{"error": {"message", "type", "param", "code"}}.
+parts; `tool_choice` "required" or naming a function (the engine cannot force a tool call; "auto",
+the default, and "none", which offers no tools, are honoured). Unknown request fields are ignored,
+as OpenAI clients send many. Errors use OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+
+Bad input is a 400 naming the field: a body that is not UTF-8 or not JSON (NaN and Infinity
+included), JSON nested deeper than 64 levels (`MAX_JSON_DEPTH`), a string anywhere in it that is not
+valid Unicode (a lone surrogate escape), `tools` not in OpenAI's shape or whose `parameters` are not
+a valid JSON Schema (checked against its metaschema, Draft 2020-12 unless `$schema` names another).
 
 Streaming (`"stream": true`): server-sent events (`text/event-stream`) over HTTP/1.1 chunked
 transfer encoding, the connection kept alive (to an HTTP/1.0 client: unframed, then the connection
@@ -32,7 +38,9 @@ Limits (`ServerLimits`; flags of `python -m steprl_jax.serve`):
   closed (an idle keep-alive connection too); each blocked write of a reply has that long too.
 
 Authentication: with an API key, every route needs `Authorization: Bearer <key>` (compared in
-constant time); neither the key nor request headers or bodies are ever logged.
+constant time); neither the key nor request headers or bodies are ever logged, nor query strings
+(a client may put a key in one: logged as `?<redacted>`), nor the messages of internal errors
+(which may quote the request: the client gets them, the log their type and traceback).
 """
 from __future__ import annotations
 
@@ -42,14 +50,18 @@ import http.server
 import io
 import json
 import logging
+import math
+import re
 import select
 import socket
 import threading
 import time
+import traceback
 import uuid
 from typing import Any, Iterable, Iterator
 
-from steprl_jax.serve.chat_format import TOOL_CALL_OPEN, RequestError, parse_tool_calls
+from steprl_jax.serve.chat_format import (MAX_JSON_DEPTH, TOOL_CALL_OPEN, RequestError, check_json, check_tools,
+                                          parse_tool_calls)
 from steprl_jax.serve.engine import ChatEngine, Completion, Delta, Job, extension, held_suffix
 
 log = logging.getLogger(__name__)
@@ -68,8 +80,25 @@ class ServerLimits:
     def __post_init__(self):
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"ServerLimits.{field.name} must be a positive number, got {value!r}")
+            if (not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0
+                    or not math.isfinite(value)):
+                raise ValueError(f"ServerLimits.{field.name} must be a positive finite number, got {value!r}")
+
+
+# From a "?" to the HTTP version of a request line (or the end): a query string, whatever it holds.
+_QUERY = re.compile(r"\?.*?(?=\sHTTP/|$)", re.DOTALL)
+
+
+def redacted(text: str) -> str:
+    """`text` (a path, or a log line quoting a request line) with its query string replaced: a
+    client may put a key in one (`?api_key=...`)."""
+    return _QUERY.sub("?<redacted>", text)
+
+
+def _log_internal_error(what: str, error: BaseException) -> None:
+    """Type and traceback, not the message: it may quote the request (the client gets it whole)."""
+    stack = "".join(traceback.format_tb(error.__traceback__))
+    log.error("%s: %s\n%s", what, type(error).__name__, stack.rstrip())
 
 
 class _HttpError(Exception):
@@ -114,7 +143,31 @@ def _stop_list(value) -> tuple[str, ...]:
     raise RequestError("stop must be a string or a list of strings", param="stop")
 
 
+_TOOL_CHOICES = 'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
+_NO_FORCED_CALLS = 'this server cannot force a tool call; use tool_choice "auto" or "none"'
+
+
+def _offered_tools(body: dict) -> list | None:
+    """The tools to offer the model: `tools` (checked) as `tool_choice` allows."""
+    tools = check_tools(body.get("tools"))
+    choice = body.get("tool_choice")
+    if choice in (None, "auto"):
+        return tools
+    if choice == "none":
+        return None
+    if choice == "required":
+        raise RequestError(f'tool_choice "required" is not supported: {_NO_FORCED_CALLS}', param="tool_choice")
+    function = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str):
+        raise RequestError(_TOOL_CHOICES, param="tool_choice")
+    if name not in {tool["function"]["name"] for tool in tools or ()}:
+        raise RequestError(f"tool_choice names the function {name!r}, which is not in tools", param="tool_choice")
+    raise RequestError(f"tool_choice naming a function is not supported: {_NO_FORCED_CALLS}", param="tool_choice")
+
+
 def parse_chat_request(body: Any, model_name: str, limits: ServerLimits) -> ChatRequest:
+    check_json(body)  # before anything reads it: no field may be too deep or hold invalid Unicode
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     if body.get("model") not in (None, model_name):
@@ -134,9 +187,7 @@ def parse_chat_request(body: Any, model_name: str, limits: ServerLimits) -> Chat
         raise RequestError(f"{field} must be a positive integer", param=field)
     elif max_tokens > limits.max_tokens:
         raise RequestError(f"{field} is {max_tokens}; this server allows at most {limits.max_tokens}", param=field)
-    tools = body.get("tools") or None
-    if body.get("tool_choice") == "none":
-        tools = None
+    tools = _offered_tools(body)
     temperature, top_p, n = body.get("temperature"), body.get("top_p"), body.get("n")
     return ChatRequest(messages=body.get("messages"), n=1 if n is None else n,
                        temperature=1.0 if temperature is None else temperature, top_p=1.0 if top_p is None else top_p,
@@ -253,6 +304,31 @@ def chat_completion(engine: ChatEngine, model_name: str, body: dict, limits: Ser
 
 
 # ----------------------------------------------------------------------------- HTTP
+def _json_bytes(payload: dict) -> bytes:
+    # A lone surrogate can only sit inside a JSON string, where "\ud800" (what backslashreplace
+    # writes) is its escape: a reply that quotes bad input can still be sent.
+    return json.dumps(payload, ensure_ascii=False).encode("utf-8", "backslashreplace")
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")  # Python's parser would accept NaN and Infinity
+
+
+def parse_json_body(raw: bytes) -> Any:
+    """The parsed body; RequestError when it is not UTF-8 JSON (depth and Unicode: `check_json`)."""
+    try:
+        text = raw.decode("utf-8-sig")  # strict UTF-8 (a leading byte-order mark is dropped)
+    except UnicodeDecodeError as error:
+        raise RequestError(f"request body: not valid UTF-8 (byte 0x{raw[error.start]:02X} at offset "
+                           f"{error.start})") from None
+    try:
+        return json.loads(text, parse_constant=_no_constant)
+    except RecursionError:  # the parser's own limit (~1000 levels); shallower bodies meet check_json's
+        raise RequestError(f"request body: JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as error:
+        raise RequestError(f"the request body is not valid JSON: {error}") from None
+
+
 class _Slots:
     """A count of chat requests in flight, up to `limit` (never waits)."""
 
@@ -311,15 +387,16 @@ def make_handler(engine: ChatEngine, model_name: str, api_key: str | None = None
             self._body_done = False
             super().handle_one_request()
 
-        def log_message(self, fmt, *args):  # routed to logging; bodies and headers are never logged
-            log.debug("%s " + fmt, self.address_string(), *args)
+        def log_message(self, fmt, *args):  # routed to logging; bodies, headers and query strings never are
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("%s %s", self.address_string(), redacted(fmt % args))
 
         # -------------------------------------------------------------- writing
         def _writing(self) -> None:
             self.connection.settimeout(limits.client_timeout_s)
 
         def _send_json(self, status: int, payload: dict, headers: dict | None = None) -> None:
-            data = json.dumps(payload, ensure_ascii=False).encode("utf-8")
+            data = _json_bytes(payload)
             self._writing()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
@@ -355,7 +432,7 @@ def make_handler(engine: ChatEngine, model_name: str, api_key: str | None = None
                 self.wfile.write(data)
 
         def _write_event(self, payload: dict) -> None:
-            self._write_chunk(b"data: " + json.dumps(payload, ensure_ascii=False).encode("utf-8") + b"\n\n")
+            self._write_chunk(b"data: " + _json_bytes(payload) + b"\n\n")
 
         # -------------------------------------------------------------- reading
         def _authorized(self) -> bool:
@@ -381,10 +458,7 @@ def make_handler(engine: ChatEngine, model_name: str, api_key: str | None = None
             if len(raw) < length:
                 raise _ClientGone()
             self._body_done = True
-            try:
-                return json.loads(raw)
-            except ValueError:
-                raise RequestError("the request body is not valid JSON") from None
+            return parse_json_body(raw)
 
         def _peer_gone(self) -> bool:
             try:
@@ -422,9 +496,9 @@ def make_handler(engine: ChatEngine, model_name: str, api_key: str | None = None
                 self.close_connection = True
             except Exception as error:
                 status = 500
-                log.exception("internal error")
+                _log_internal_error("internal error", error)
                 self._send_error(_HttpError(500, f"internal error: {type(error).__name__}: {error}", "server_error"))
-            log.info("%s %s -> %d in %.2fs", method, self.path, status, time.monotonic() - start)
+            log.info("%s %s -> %d in %.2fs", method, redacted(self.path), status, time.monotonic() - start)
 
         def _chat(self) -> int:
             request = parse_chat_request(self._read_json(), model_name, limits)
@@ -490,7 +564,7 @@ def make_handler(engine: ChatEngine, model_name: str, api_key: str | None = None
                 raise
             except Exception as error:
                 status = 500
-                log.exception("internal error while streaming")
+                _log_internal_error("internal error while streaming", error)
                 self._write_event(_HttpError(500, f"internal error: {type(error).__name__}: {error}",
                                              "server_error").payload())
                 self.close_connection = True

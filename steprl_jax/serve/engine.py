@@ -36,7 +36,7 @@ import jax
 import numpy as np
 
 from steprl_jax.sampling import Sampler, SamplingParams
-from steprl_jax.serve.chat_format import RequestError, render_prompt
+from steprl_jax.serve.chat_format import RequestError, render_prompt, unicode_error
 
 log = logging.getLogger(__name__)
 
@@ -188,8 +188,10 @@ class ChatEngine:
                  max_batch_rows: int = 32, min_batch_rows: int = 1, max_n: int = 16, decode_chunk: int = 16):
         if tokenizer is None:
             raise ValueError("serving needs a tokenizer (the checkpoint has none)")
-        if decode_chunk < 1:
-            raise ValueError(f"decode_chunk must be >= 1, got {decode_chunk}")
+        for name, value in (("max_batch_rows", max_batch_rows), ("min_batch_rows", min_batch_rows),
+                            ("max_n", max_n), ("decode_chunk", decode_chunk)):
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:  # 0: refuses all
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         self.tokenizer = tokenizer
         self.sampler = Sampler(model, tokenizer, max_context=max_context)
         self.max_context = self.sampler.max_context
@@ -209,6 +211,8 @@ class ChatEngine:
     # ------------------------------------------------------------------ requests
     def prompt_ids(self, messages: Any, tools: Sequence[Mapping] | None = None) -> list[int]:
         text = render_prompt(self.tokenizer, messages, tools)
+        if (problem := unicode_error(text)) is not None:  # the tokenizer would fail on it
+            raise RequestError(f"the messages or tools are {problem}", param="messages")
         # The template already wrote any BOS/turn tokens: do not add them twice.
         ids = list(self.tokenizer.encode(text, add_special_tokens=False))
         if not ids:
@@ -243,6 +247,8 @@ class ChatEngine:
         stop = tuple(stop)
         if len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
             raise RequestError("stop must be a non-empty string or a list of at most 4 of them", param="stop")
+        if any(unicode_error(s) for s in stop):  # caught here: in the worker it would fail the whole batch
+            raise RequestError("stop strings must be valid Unicode (no lone surrogates)", param="stop")
         ids = self.prompt_ids(messages, tools)
         if len(ids) >= self.max_context:
             raise RequestError(f"the prompt has {len(ids)} tokens; the context limit is {self.max_context}",
