@@ -29,6 +29,16 @@ EXIT_CRASH, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 130
 _ENVIRONMENT_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError, FileExistsError)
 
 
+_interrupted = []  # the signal that asked this process to stop, once one has
+
+
+def interrupted() -> bool:
+    """Whether a stop was asked for. A KeyboardInterrupt raised where Python cannot pass it on
+    (inside a finaliser or a callback from native code) is printed and dropped, and the job runs
+    on: the entry point then still ends as interrupted, not as done."""
+    return bool(_interrupted)
+
+
 def install_interrupt_handlers() -> None:
     """SIGTERM raises KeyboardInterrupt in the main thread, like Ctrl-C; the second of either
     ends the process at once."""
@@ -37,6 +47,7 @@ def install_interrupt_handlers() -> None:
         os._exit(EXIT_INTERRUPTED)
 
     def first(signum, frame):
+        _interrupted.append(signum)
         signal.signal(signal.SIGINT, second)
         signal.signal(signal.SIGTERM, second)
         print(f"\n{signal.Signals(signum).name}: stopping (again to exit at once); the same command resumes the "

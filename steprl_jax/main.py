@@ -22,7 +22,7 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from steprl_jax import cli  # noqa: E402
+from steprl_jax import cli, config_schema  # noqa: E402
 from steprl_jax.errors import ConfigError  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/demo.py", "Experiment config (ml_collections).")
@@ -69,6 +69,7 @@ def check(config) -> None:
     job = config.get("job", "evaluate")
     if job not in JOBS:
         raise ConfigError(f"config.job: unknown job {job!r}; valid jobs: {', '.join(sorted(JOBS))}")
+    config_schema.check(config)
 
 
 def run(config) -> dict:
@@ -125,6 +126,8 @@ def main(argv):
         check(config)  # before the workdir exists: a refused config leaves nothing behind
         log_path = _log_to_workdir(config.workdir)
         metrics = run(config)
+        if cli.interrupted():  # the interrupt was dropped on its way (see cli.interrupted)
+            raise KeyboardInterrupt
     except BaseException as err:  # noqa: BLE001  every way out gets its one line and exit status
         sys.exit(cli.outcome(err, log_path, _DEBUG.value))
     print(f"done in {time.time() - started:.1f} s; workdir {os.path.abspath(config.workdir)}")

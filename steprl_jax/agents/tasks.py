@@ -94,7 +94,7 @@ def build_suite(config, split: str | None = None) -> TaskSuite:
         from steprl_jax.tools.search import BM25Search
 
         if not config.task.path:
-            raise ValueError("config.task.path: a HotPotQA JSONL file is needed for task.name=hotpotqa")
+            raise ConfigError("config.task.path: a HotPotQA JSONL file is needed for task.name=hotpotqa")
         from steprl_jax.data.hotpotqa import hotpotqa_demonstrations
 
         rows = load_hotpotqa(config.task.path)
@@ -113,7 +113,7 @@ def build_suite(config, split: str | None = None) -> TaskSuite:
                          lambda task, traj: rules.hotpotqa_outcome(traj.final_answer, task.reference, partial))
     if name == "toolworld":
         return _toolworld_suite(config)
-    raise ValueError(f"config.task.name: unknown task {name!r} (arithmetic, gsm8k, hotpotqa, toolworld)")
+    raise ConfigError(f"config.task.name: unknown task {name!r} (arithmetic, gsm8k, hotpotqa, toolworld)")
 
 
 def _math_tasks(config) -> list[Task]:
@@ -128,7 +128,7 @@ def _math_tasks(config) -> list[Task]:
     from steprl_jax.data.gsm8k import load_gsm8k
 
     if not config.task.path:
-        raise ValueError("config.task.path: a GSM8K JSONL file is needed for task.name=gsm8k")
+        raise ConfigError("config.task.path: a GSM8K JSONL file is needed for task.name=gsm8k")
     problems = load_gsm8k(config.task.path)
     offset = int(config.task.offset)
     return [Task(f"gsm8k-{offset + i}", p.question, p.answer)
@@ -145,10 +145,10 @@ def _tagged_env(config, search_index, examples=()) -> TaggedEnv:
             tools.append(calculator_tool())
         elif name == "search":
             if search_index is None:
-                raise ValueError("config.env.tools: 'search' needs a corpus (task.name=hotpotqa or task.corpus_path)")
+                raise ConfigError("config.env.tools: 'search' needs a corpus (task.name=hotpotqa or task.corpus_path)")
             tools.append(search_tool(search_index, k=int(config.task.search_top_k)))
         else:
-            raise ValueError(f"config.env.tools: unknown tool {name!r} for the tag format (calculator, search)")
+            raise ConfigError(f"config.env.tools: unknown tool {name!r} for the tag format (calculator, search)")
     registry = ToolRegistry(tools, default_timeout_s=float(config.rollout.tool_timeout_s),
                             max_workers=int(config.rollout.tool_workers))
     return TaggedEnv(registry, invalid_action=config.env.invalid_action, examples=examples)
@@ -178,7 +178,7 @@ def _toolworld_data(config):
     # only that many train questions (21 of 64 test questions were train questions 65-1024).
     splits = make_splits(int(config.task.world_seed), max(n, TRAIN_POOL), n, seed=int(config.seed))
     if config.task.split not in splits:
-        raise ValueError(f"config.task.split: {config.task.split!r} is not one of {sorted(splits)}")
+        raise ConfigError(f"config.task.split: {config.task.split!r} is not one of {sorted(splits)}")
     if config.task.split == "test_held_out":  # the held-out templates' share of n test queries: fewer than n
         return world, splits, splits["test_held_out"][int(config.task.offset):]
     return world, splits, _select(splits[config.task.split], config, f"the tool world's {config.task.split} split")

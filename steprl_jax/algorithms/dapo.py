@@ -14,6 +14,7 @@ from __future__ import annotations
 from steprl_jax.agents.records import TreeRecord
 from steprl_jax.algorithms.grpo import grpo_loss, group_builder, outcome_reward
 from steprl_jax.algorithms.rl import Algorithm
+from steprl_jax.errors import ConfigError
 
 
 def overlong_penalty(length: int, max_length: int, cache: int) -> float:
@@ -46,10 +47,10 @@ def check_config(config) -> None:
     """Dynamic sampling's round cap and the overlong cache, checked before the first rollout."""
     s = config.rl.dapo
     if int(s.max_sampling_rounds) < 1:
-        raise ValueError(f"config.rl.dapo.max_sampling_rounds must be >= 1, got {s.max_sampling_rounds}")
+        raise ConfigError(f"config.rl.dapo.max_sampling_rounds must be >= 1, got {s.max_sampling_rounds}")
     limit = max_response_tokens(config)
     if not 1 <= int(s.overlong_cache) <= limit:
-        raise ValueError(f"config.rl.dapo.overlong_cache must be in [1, {limit}] (the maximum response length: "
+        raise ConfigError(f"config.rl.dapo.overlong_cache must be in [1, {limit}] (the maximum response length: "
                          f"rl.dapo.max_response_tokens, or rollout.max_steps x rollout.max_new_tokens), "
                          f"got {s.overlong_cache}")
 

@@ -52,6 +52,7 @@ from steprl_jax.algorithms.offline import (copy_model, export_adapters, export_p
 from steprl_jax.algorithms.rl import Algorithm, get_algorithm
 from steprl_jax.algorithms.tree_rows import LOSS_AGGS, WEIGHTINGS
 from steprl_jax.algorithms.workdir import check_manifest
+from steprl_jax.errors import ConfigError
 from steprl_jax.evaluation.metrics import episode_terms, write_json_atomic, write_text_atomic
 from steprl_jax.training import (Checkpointer, TrainStepConfig, create_train_state, lr_schedule,
                                  make_logprob_fn, make_optimizer, make_train_step)
@@ -72,19 +73,19 @@ def check_config(config) -> Algorithm:
     for name in ("iterations", "queries_per_iteration", "ppo_epochs", "minibatches", "num_microbatches",
                  "save_every", "eval_every"):
         if int(rl[name]) < 1 and not (name == "iterations" and int(rl[name]) == 0):
-            raise ValueError(f"config.rl.{name} must be >= 1, got {rl[name]}")
+            raise ConfigError(f"config.rl.{name} must be >= 1, got {rl[name]}")
     if int(config.rollout.tree.n) < 1:
-        raise ValueError(f"config.rollout.tree.n (trajectories per query) must be >= 1, got {config.rollout.tree.n}")
+        raise ConfigError(f"config.rollout.tree.n (trajectories per query) must be >= 1, got {config.rollout.tree.n}")
     for section in ("portool", "grpo", "dapo"):
         if rl[section].agg not in LOSS_AGGS:
-            raise ValueError(f"config.rl.{section}.agg: {rl[section].agg!r} is not one of {LOSS_AGGS}")
+            raise ConfigError(f"config.rl.{section}.agg: {rl[section].agg!r} is not one of {LOSS_AGGS}")
     if algorithm.check is not None:
         algorithm.check(config)
     if rl.portool.token_weighting not in WEIGHTINGS:
-        raise ValueError(f"config.rl.portool.token_weighting: {rl.portool.token_weighting!r} is not one of "
+        raise ConfigError(f"config.rl.portool.token_weighting: {rl.portool.token_weighting!r} is not one of "
                          f"{WEIGHTINGS}")
     if config.env.format != "tool_call":
-        raise ValueError(f"config.env.format: online RL runs the tool_call format (R_fm, response_gen); "
+        raise ConfigError(f"config.env.format: online RL runs the tool_call format (R_fm, response_gen); "
                          f"got {config.env.format!r}")
     return algorithm
 

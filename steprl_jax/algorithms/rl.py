@@ -18,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Optional
 
+from steprl_jax.errors import ConfigError
+
 ROLLOUT_MODES = ("tree", "group", "arpo")
 
 
@@ -54,5 +56,5 @@ ALGORITHMS = ("portool", "grpo", "grpo_fm", "dapo", "arpo", "arpo_fm")
 def get_algorithm(name: str) -> Algorithm:
     registry = _registry()
     if name not in registry:
-        raise ValueError(f"config.algorithm: unknown algorithm {name!r}; valid: {', '.join(ALGORITHMS)}")
+        raise ConfigError(f"config.algorithm: unknown algorithm {name!r}; valid: {', '.join(ALGORITHMS)}")
     return registry[name]

@@ -41,6 +41,7 @@ from steprl_jax.algorithms.rl import policy_temperature
 from steprl_jax.algorithms.workdir import (IncompatibleRunError, check_manifest, clear_stage, key_differences,
                                            mark_stage, stage_marker)
 from steprl_jax.data.units import Unit, read_units, write_units
+from steprl_jax.errors import ConfigError
 from steprl_jax.evaluation.metrics import write_json_atomic
 from steprl_jax.models.lora import LoraConfig
 from steprl_jax.training import LossConfig, distributed
@@ -62,10 +63,10 @@ def _stages(config) -> list[str]:
     names = [s.strip() for s in str(config.stages).split(",") if s.strip()]
     unknown = [s for s in names if s not in STAGES]
     if unknown:
-        raise ValueError(f"config.stages: unknown stage(s) {unknown}; valid: {', '.join(STAGES)}")
+        raise ConfigError(f"config.stages: unknown stage(s) {unknown}; valid: {', '.join(STAGES)}")
     single = [s for s in names if s not in MULTI_PROCESS_STAGES]
     if jax.process_count() > 1 and single:
-        raise ValueError(f"config.stages: {single} run in one process; with {jax.process_count()} processes run "
+        raise ConfigError(f"config.stages: {single} run in one process; with {jax.process_count()} processes run "
                          f"only {MULTI_PROCESS_STAGES} (the others first, with config.distributed.mode=off)")
     return [s for s in STAGES if s in names]
 
@@ -73,13 +74,13 @@ def _stages(config) -> list[str]:
 def _check_config(config) -> None:
     s = config.swirl
     if s.filter not in FILTERS:
-        raise ValueError(f"config.swirl.filter: {s.filter!r} is not one of {FILTERS}")
+        raise ConfigError(f"config.swirl.filter: {s.filter!r} is not one of {FILTERS}")
     if s.granularity not in GRANULARITIES:
-        raise ValueError(f"config.swirl.granularity: {s.granularity!r} is not one of {GRANULARITIES}")
+        raise ConfigError(f"config.swirl.granularity: {s.granularity!r} is not one of {GRANULARITIES}")
     if s.train.advantage not in ADVANTAGES:
-        raise ValueError(f"config.swirl.train.advantage: {s.train.advantage!r} is not one of {ADVANTAGES}")
+        raise ConfigError(f"config.swirl.train.advantage: {s.train.advantage!r} is not one of {ADVANTAGES}")
     if int(s.samples_per_question) < 1 or int(s.train.group_size) < 1:
-        raise ValueError("config.swirl.samples_per_question and config.swirl.train.group_size must be >= 1")
+        raise ConfigError("config.swirl.samples_per_question and config.swirl.train.group_size must be >= 1")
 
 
 def _path(config, *parts) -> str:
@@ -216,7 +217,7 @@ def collect(config, model, tokenizer) -> dict:
     from steprl_jax.sampling import Sampler
 
     if float(config.rollout.temperature) <= 0:
-        raise ValueError("config.rollout.temperature: SWiRL collects K samples per question at temperature > 0")
+        raise ConfigError("config.rollout.temperature: SWiRL collects K samples per question at temperature > 0")
     suite = build_suite(config, split="train")
     k = int(config.swirl.samples_per_question)
     store = RecordStore(_path(config, "trajectories.jsonl"))

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from steprl_jax.errors import ConfigError
 from steprl_jax.models.sharding import LOGICAL_AXIS_RULES, MESH_AXES, state_shardings
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ def initialize(cfg) -> bool:
     """
     mode = str(cfg.get("mode", "off"))
     if mode not in MODES:
-        raise ValueError(f"config.distributed.mode: {mode!r} is not one of {MODES}")
+        raise ConfigError(f"config.distributed.mode: {mode!r} is not one of {MODES}")
     address = cfg.get("coordinator_address", "") or os.environ.get("JAX_COORDINATOR_ADDRESS", "")
     num = int(cfg.get("num_processes", 0)) or _env_int("JAX_NUM_PROCESSES")
     pid = int(cfg.get("process_id", -1))
@@ -154,7 +155,7 @@ def train_mesh(cfg) -> Optional[Mesh]:
         return None
     mesh = mesh_of(cfg, jax.devices(), "config.mesh")
     if jax.process_count() > 1 and mesh.size != jax.device_count():
-        raise ValueError(f"config.mesh: {dict(mesh.shape)} holds {mesh.size} of the {jax.device_count()} devices "
+        raise ConfigError(f"config.mesh: {dict(mesh.shape)} holds {mesh.size} of the {jax.device_count()} devices "
                          f"of {jax.process_count()} processes; a multi-process mesh holds them all (use -1)")
     return mesh
 

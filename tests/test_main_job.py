@@ -1,0 +1,136 @@
+"""The main job as a user runs it (`python -m steprl_jax.main`, real processes): how it ends on
+bad input, a crash and an interruption, and that an interrupted run resumes with nothing lost,
+duplicated or mixed. A tiny random model with SmolLM2's tokenizer keeps each run to seconds."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from steprl_jax import cli
+from steprl_jax.errors import BadInput
+from swirl_helpers import smol_tokenizer, tiny_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from steprl_jax.models import export_hf
+
+    tok = smol_tokenizer()
+    return export_hf(tiny_model(tok, seed=11), tok, str(tmp_path_factory.mktemp("main_job") / "model"))
+
+
+def _swirl(workdir, model="unused", *overrides) -> list:
+    """SWiRL at test sizes: 4 questions, K = 2, 2 at a time, 2 steps of at most 16 tokens, no training."""
+    return [sys.executable, "-m", "steprl_jax.main", "--config=configs/swirl_arithmetic.py",
+            f"--config.model.source={model}", f"--config.workdir={workdir}", "--config.progress=False",
+            "--config.task.num_tasks=4", "--config.rollout.batch_size=2", "--config.rollout.max_new_tokens=16", "--config.rollout.max_steps=2",
+            "--config.swirl.filter=none", "--config.stages=collect,judge,filter", *overrides]
+
+
+def _run(command, timeout=300):
+    return subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def _last_line(stderr: str) -> str:
+    return stderr.strip().splitlines()[-1]
+
+
+def test_refusals_are_one_line_and_come_before_the_model_loads(tmp_path):
+    # A workdir made by the swirl job: the evaluate job would append its episodes to its records.
+    swirl_dir = tmp_path / "swirl"
+    swirl_dir.mkdir()
+    (swirl_dir / "run.json").write_text(json.dumps({"job": "swirl"}))
+    out = _run([sys.executable, "-m", "steprl_jax.main", "--config=configs/demo.py", f"--config.workdir={swirl_dir}",
+                "--config.model.source=unused"])
+    assert out.returncode == cli.EXIT_BAD_INPUT and "Traceback" not in out.stderr, out.stderr
+    assert _last_line(out.stderr) == (f"error: {swirl_dir}/run.json: this workdir holds a 'swirl' run; the "
+                                      "'evaluate' job would write into it and mix their records: use another "
+                                      "--config.workdir")
+    assert not (swirl_dir / "trajectories.jsonl").exists()
+
+    # A collect stage interrupted at temperature 0.7 and resumed at 1.3 with another prompt format.
+    workdir = tmp_path / "collect"
+    (workdir / "stages").mkdir(parents=True)
+    (workdir / "stages" / "collect.json").write_text(json.dumps(
+        {"key": {"temperature": 0.7, "env.few_shot": 1}, "complete": False}))
+    (workdir / "trajectories.jsonl").write_text("")
+    out = _run(_swirl(workdir, "unused", "--config.env.few_shot=0", "--config.rollout.temperature=1.3"))
+    assert out.returncode == cli.EXIT_BAD_INPUT and "Traceback" not in out.stderr, out.stderr
+    line = _last_line(out.stderr)
+    assert line.startswith(f"error: {workdir}/stages/collect.json: stage 'collect' was run with other settings "
+                           "(env.few_shot: recorded 1, now 0; temperature: recorded 0.7, now 1.3); going on would "
+                           "mix them in trajectories.jsonl"), line
+    assert "unused" not in out.stderr  # refused before the model (which does not exist) was looked for
+
+
+def test_a_crash_is_one_line_with_its_traceback_in_the_log(tmp_path, capsys):
+    log = tmp_path / "main.log"
+    try:
+        {}["missing"]
+    except KeyError as err:
+        assert cli.outcome(err, str(log), debug=False) == cli.EXIT_CRASH
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == f"crashed: KeyError: 'missing'; traceback in {log} (--debug prints it here)"
+    assert "Traceback (most recent call last)" in log.read_text() and "{}[\"missing\"]" in log.read_text()
+    assert cli.outcome(BadInput("tasks.jsonl:3: invalid JSON"), None, debug=False) == cli.EXIT_BAD_INPUT
+    assert cli.outcome(FileNotFoundError("no model at /x"), None, debug=False) == cli.EXIT_BAD_INPUT
+    assert capsys.readouterr().err.splitlines() == ["error: tasks.jsonl:3: invalid JSON", "error: no model at /x"]
+
+
+def _records(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_sigterm_mid_collect_then_resume_equals_an_uninterrupted_run(tmp_path, model_dir):
+    whole = tmp_path / "whole"
+    out = _run(_swirl(whole, model_dir))
+    assert out.returncode == 0, out.stderr[-3000:]
+    expected = {r["id"]: r for r in _records(whole / "trajectories.jsonl")}
+    assert len(expected) == 8
+
+    # SIGTERM once the first record is on disk: the run stops (130) and says how to go on.
+    workdir = tmp_path / "stopped"
+    process = subprocess.Popen(_swirl(workdir, model_dir), cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True)
+    records = workdir / "trajectories.jsonl"
+    deadline = time.time() + 240
+    while not (records.exists() and records.stat().st_size) and process.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    stderr = process.communicate(timeout=120)[1]
+    assert process.returncode == cli.EXIT_INTERRUPTED, stderr[-3000:]
+    assert _last_line(stderr) == "interrupted; the same command resumes the run"
+    kept = _records(records)
+    assert 1 <= len(kept) < 8  # stopped mid-stage
+
+    out = _run(_swirl(workdir, model_dir))
+    assert out.returncode == 0, out.stderr[-3000:]
+    resumed = _records(records)
+    assert len(resumed) == 8 and {r["id"] for r in resumed} == set(expected)  # nothing lost or duplicated
+    for record in resumed:  # token for token what the uninterrupted run sampled
+        steps, want = record["steps"], expected[record["id"]]["steps"]
+        assert [s["action_ids"] for s in steps] == [s["action_ids"] for s in want], record["id"]
+        assert [s["action_logprobs"] for s in steps] == [s["action_logprobs"] for s in want], record["id"]
+
+
+def test_a_second_signal_exits_at_once():
+    # a job that is slow to stop (it sleeps after the first interrupt): the second one ends it
+    code = ("import time\nfrom steprl_jax import cli\ncli.install_interrupt_handlers()\nprint('ready', flush=True)\n"
+            "try:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    print('stopping', flush=True)\n"
+            "    time.sleep(60)\n")
+    process = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    assert process.stdout.readline() == "ready\n"
+    process.send_signal(signal.SIGTERM)  # SIGTERM is handled like Ctrl-C
+    assert process.stdout.readline() == "stopping\n"
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=20)
+    assert process.returncode == cli.EXIT_INTERRUPTED
+    assert "SIGTERM: stopping (again to exit at once)" in stderr
