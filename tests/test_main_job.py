@@ -3,6 +3,7 @@ bad input, a crash and an interruption, and that an interrupted run resumes with
 duplicated or mixed. A tiny random model with SmolLM2's tokenizer keeps each run to seconds."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -89,12 +90,89 @@ def _records(path):
         return [json.loads(line) for line in f]
 
 
-def test_sigterm_mid_collect_then_resume_equals_an_uninterrupted_run(tmp_path, model_dir):
-    whole = tmp_path / "whole"
-    out = _run(_swirl(whole, model_dir))
+def _sampled(records) -> dict:
+    """What each episode sampled and saw, by id (not how long it took)."""
+    return {r["id"]: [(s["action_ids"], s["action_logprobs"], s["observation_ids"]) for s in r["steps"]]
+            for r in records}
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory, model_dir):
+    """An uninterrupted run's workdir (collect, judge, filter) and its records by id."""
+    workdir = tmp_path_factory.mktemp("whole") / "run"
+    out = _run(_swirl(workdir, model_dir))
     assert out.returncode == 0, out.stderr[-3000:]
-    expected = {r["id"]: r for r in _records(whole / "trajectories.jsonl")}
-    assert len(expected) == 8
+    records = {r["id"]: r for r in _records(workdir / "trajectories.jsonl")}
+    assert len(records) == 8
+    return workdir, records
+
+
+def _copy(workdir, tmp_path):
+    return shutil.copytree(workdir, tmp_path / "copy")
+
+
+def test_a_record_that_lost_only_its_newline_is_kept(whole, tmp_path, model_dir):
+    workdir = _copy(whole[0], tmp_path)
+    path = workdir / "trajectories.jsonl"
+    path.write_bytes(path.read_bytes()[:-1])  # every line still valid JSON
+    os.remove(workdir / "judged.jsonl")
+    os.remove(workdir / "stages" / "judge.json")
+    out = _run(_swirl(workdir, model_dir))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert len(_records(path)) == 8 and len(_records(workdir / "judged.jsonl")) == 8
+    assert "removed" not in out.stderr
+
+
+def test_a_torn_last_record_is_named_and_collected_again(whole, tmp_path, model_dir):
+    workdir = _copy(whole[0], tmp_path)
+    path = workdir / "trajectories.jsonl"
+    data = path.read_bytes()
+    last_start = data[:-1].rfind(b"\n") + 1
+    path.write_bytes(data[:last_start + 40])  # the last write stopped 40 bytes in
+    out = _run(_swirl(workdir, model_dir))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"{path}:8: removed an incomplete last line" in out.stderr
+    assert "holds 7 trajectories, its marker counted 8" in out.stderr
+    assert _sampled(_records(path)) == _sampled(whole[1].values())  # sampled again with its own key
+    assert len(_records(workdir / "judged.jsonl")) == 8
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda r: r["steps"][0].update(action_ids="oops"),
+     "trajectories.jsonl:1: field 'steps[0].action_ids' must be a list of non-negative integer token ids"),
+    (lambda r: r["steps"][0]["action_ids"].__setitem__(0, 10 ** 6),
+     "trajectories.jsonl:1: field 'steps[0].action_ids' holds token id 1000000, outside the vocabulary"),
+])
+def test_a_record_of_the_wrong_shape_is_refused_when_read(whole, tmp_path, model_dir, damage, message):
+    workdir = _copy(whole[0], tmp_path)
+    path = workdir / "trajectories.jsonl"
+    lines = path.read_text().splitlines()
+    first = json.loads(lines[0])
+    damage(first)
+    path.write_text("\n".join([json.dumps(first)] + lines[1:]) + "\n")
+    os.remove(workdir / "judged.jsonl")
+    os.remove(workdir / "stages" / "judge.json")
+    out = _run(_swirl(workdir, model_dir))
+    assert out.returncode == cli.EXIT_BAD_INPUT and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert message in _last_line(out.stderr), _last_line(out.stderr)
+    assert not (workdir / "judged.jsonl").exists() or not _records(workdir / "judged.jsonl")
+
+
+def test_a_damaged_marker_or_manifest_is_named_with_a_way_on(whole, tmp_path, model_dir):
+    workdir = _copy(whole[0], tmp_path)
+    (workdir / "stages" / "judge.json").write_text('{"key": {"outcome": "ru')
+    out = _run(_swirl(workdir, model_dir))
+    assert out.returncode == cli.EXIT_BAD_INPUT, out.stderr[-3000:]
+    assert _last_line(out.stderr).startswith(f"error: {workdir}/stages/judge.json: not valid JSON (")
+    assert _last_line(out.stderr).endswith("; delete it to run the stage again")
+    (workdir / "run.json").write_bytes(b"\xff\xfe")
+    out = _run(_swirl(workdir, model_dir))
+    assert out.returncode == cli.EXIT_BAD_INPUT, out.stderr[-3000:]
+    assert _last_line(out.stderr).startswith(f"error: {workdir}/run.json: not valid JSON (")
+
+
+def test_sigterm_mid_collect_then_resume_equals_an_uninterrupted_run(whole, tmp_path, model_dir):
+    expected = whole[1]
 
     # SIGTERM once the first record is on disk: the run stops (130) and says how to go on.
     workdir = tmp_path / "stopped"
@@ -114,23 +192,4 @@ def test_sigterm_mid_collect_then_resume_equals_an_uninterrupted_run(tmp_path, m
     assert out.returncode == 0, out.stderr[-3000:]
     resumed = _records(records)
     assert len(resumed) == 8 and {r["id"] for r in resumed} == set(expected)  # nothing lost or duplicated
-    for record in resumed:  # token for token what the uninterrupted run sampled
-        steps, want = record["steps"], expected[record["id"]]["steps"]
-        assert [s["action_ids"] for s in steps] == [s["action_ids"] for s in want], record["id"]
-        assert [s["action_logprobs"] for s in steps] == [s["action_logprobs"] for s in want], record["id"]
-
-
-def test_a_second_signal_exits_at_once():
-    # a job that is slow to stop (it sleeps after the first interrupt): the second one ends it
-    code = ("import time\nfrom steprl_jax import cli\ncli.install_interrupt_handlers()\nprint('ready', flush=True)\n"
-            "try:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    print('stopping', flush=True)\n"
-            "    time.sleep(60)\n")
-    process = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
-    assert process.stdout.readline() == "ready\n"
-    process.send_signal(signal.SIGTERM)  # SIGTERM is handled like Ctrl-C
-    assert process.stdout.readline() == "stopping\n"
-    process.send_signal(signal.SIGINT)
-    _, stderr = process.communicate(timeout=20)
-    assert process.returncode == cli.EXIT_INTERRUPTED
-    assert "SIGTERM: stopping (again to exit at once)" in stderr
+    assert _sampled(resumed) == _sampled(expected.values())  # token for token the uninterrupted run's

@@ -274,7 +274,7 @@ class OnlineLoop:
                 cursor = result.cursor
                 trim_heap()  # each phase's freed buffers back to the system (training/host_memory.py)
                 metrics = batch_metrics(result)
-                metrics.update(self.train(result.kept))
+                metrics.update(self.train(result.kept, it))
                 trim_heap()
                 metrics["iteration_s"] = time.perf_counter() - t0
                 self._write_records(it, result.mine)
@@ -392,7 +392,7 @@ class OnlineLoop:
             tree.metadata.setdefault("leaf_verdicts", {})[str(leaf)] = verdict
 
     # ------------------------------------------------------------------ train
-    def train(self, kept: Sequence[TreeRecord]) -> dict:
+    def train(self, kept: Sequence[TreeRecord], iteration: int) -> dict:
         if not kept:
             log.warning("rl: no judged tree to train on this iteration (judge failures or all groups dropped)")
             return {"skipped": 1.0}
@@ -405,7 +405,7 @@ class OnlineLoop:
             self.step_fn, self.state, rows, ppo_epochs=int(self.rl.ppo_epochs), minibatches=int(self.rl.minibatches),
             num_microbatches=int(self.rl.num_microbatches), min_rows=int(self.rl.queries_per_iteration),
             logprob_fn=self.logprob_fn, ref_params=self.ref_params, attention_length=float(self.rl.attention_length),
-            mesh=self.mesh, skip_without_signal=self.skip_without_signal)
+            mesh=self.mesh, skip_without_signal=self.skip_without_signal, where=f"rl iteration {iteration + 1}")
         metrics.update(train_metrics)
         self._push_params()
         return metrics

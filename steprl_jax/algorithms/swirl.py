@@ -83,6 +83,11 @@ def _check_config(config) -> None:
         raise ConfigError("config.swirl.samples_per_question and config.swirl.train.group_size must be >= 1")
 
 
+def _vocab_size(model) -> Optional[int]:
+    """The policy's vocabulary, for checking the token ids of records read back (None: unknown)."""
+    return getattr(getattr(model, "config", None), "vocab_size", None)
+
+
 def _path(config, *parts) -> str:
     return os.path.join(config.workdir, *parts)
 
@@ -258,7 +263,8 @@ def judge(config, model, tokenizer) -> dict:
     judging = Judging.from_config(config, outcome_rule=suite.outcome_rule, local_model=(model, tokenizer))
     out_store = RecordStore(_path(config, "judged.jsonl"))
     done = out_store.done_ids()
-    todo = [r for r in RecordStore(source) if isinstance(r, Trajectory) and r.id not in done]
+    todo = [r for r in RecordStore(source, vocab_size=_vocab_size(model)) if isinstance(r, Trajectory)
+            and r.id not in done]
     size = max(1, int(config.judge.batch_size))
     bar = tqdm(total=len(todo), desc="judge", disable=not config.progress)
     for start in range(0, len(todo), size):
@@ -352,7 +358,8 @@ def filter_stage(config, model=None, tokenizer=None) -> dict:
     if not os.path.exists(source):
         raise FileNotFoundError(f"{source}: no judged trajectories; run the 'judge' stage first")
     # By id: the collection writes episodes as they end, an order that depends on timing.
-    trajectories = sorted((r for r in RecordStore(source) if isinstance(r, Trajectory)), key=lambda r: r.id)
+    trajectories = sorted((r for r in RecordStore(source, vocab_size=_vocab_size(model)) if isinstance(r, Trajectory)),
+                          key=lambda r: r.id)
     units, stats = filter_units(trajectories, config.swirl.filter, config.swirl.granularity,
                                 bool(config.swirl.drop_easy))
     path = units_path(config)

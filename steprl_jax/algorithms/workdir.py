@@ -10,10 +10,10 @@ is refused before it appends anything (`key_differences`).
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Mapping, Optional
 
+from steprl_jax.data.jsonl import DataFormatError, read_json
 from steprl_jax.errors import BadInput
 from steprl_jax.evaluation.metrics import write_json_atomic
 
@@ -31,8 +31,10 @@ def check_manifest(workdir: str, fields: Mapping[str, Any]) -> dict:
     fields = {k: _plain(v) for k, v in fields.items()}
     recorded = {}
     if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            recorded = json.load(f)
+        how = "it records the settings this workdir was made with: restore it, or use a new workdir"
+        recorded = read_json(path, how)
+        if not isinstance(recorded, dict):
+            raise DataFormatError(f"{path}: must be a JSON object; {how}")
         differ = {k: (recorded[k], v) for k, v in fields.items() if k in recorded and recorded[k] != v}
         if "job" in differ:
             raise IncompatibleRunError(
@@ -66,8 +68,9 @@ def stage_marker(workdir: str, stage: str) -> Optional[dict]:
     path = _marker(workdir, stage)
     if not os.path.exists(path):
         return None
-    with open(path, encoding="utf-8") as f:
-        marker = json.load(f)
+    marker = read_json(path, "delete it to run the stage again")
+    if not isinstance(marker, dict):
+        raise DataFormatError(f"{path}: a stage marker must be a JSON object; delete it to run the stage again")
     marker.setdefault("complete", True)  # markers were written only at the end before
     return marker
 
