@@ -84,7 +84,7 @@ def test_dapo_stops_after_its_sampling_rounds(tmp_path):
         loop = online.OnlineLoop(c, get_algorithm("dapo"), tiny_model(tokenizer), tokenizer)
         try:
             result = loop.collect(0, 0)
-            assert loop.train(result.kept) == {"skipped": 1.0}
+            assert loop.train(result.kept, 0) == {"skipped": 1.0}
         finally:
             loop.close()
     finally:
