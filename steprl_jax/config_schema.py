@@ -309,7 +309,22 @@ def check(config) -> None:
         if reason and value != field.off:
             raise ConfigError(f"config.{path}: {value!r} is not allowed with job {job} (the {job} job does not read "
                               f"it: {reason}; leave it {field.off!r})")
+    _check_model_judges(config, job)
     _check_task_counts(config, job)
+
+
+JUDGE_SECTIONS = {"judge.outcome": "outcome judge", "judge.process": "process judge", "reward": "reward model"}
+
+
+def _check_model_judges(config, job: str) -> None:
+    """A judge or reward model the job uses that asks a server needs to know which, and where."""
+    for section, role in JUDGE_SECTIONS.items():
+        if job not in FIELDS[f"{section}.kind"].jobs or _value(config, f"{section}.kind", "rule") != "http":
+            continue
+        for name in ("base_url", "model"):
+            if not _value(config, f"{section}.{name}", ""):
+                raise ConfigError(f"config.{section}.{name}: empty; an http {role} needs base_url "
+                                  "(e.g. http://127.0.0.1:8000/v1) and model")
 
 
 def allowed(field: Field) -> str:

@@ -70,6 +70,8 @@ def check(config) -> None:
     if job not in JOBS:
         raise ConfigError(f"config.job: unknown job {job!r}; valid jobs: {', '.join(sorted(JOBS))}")
     config_schema.check(config)
+    if os.path.exists(config.workdir) and not os.path.isdir(config.workdir):
+        raise ConfigError(f"config.workdir: {config.workdir} is a file, not a folder")
 
 
 def run(config) -> dict:

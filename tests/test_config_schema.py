@@ -302,3 +302,13 @@ def test_the_schemas_choices_are_the_codes():
     for role in ("outcome", "process"):
         assert {p.split(".")[2] for p in f if p.startswith(f"judge.{role}.")} == set(KNOWN_KEYS)
     assert {p.split(".")[1] for p in f if p.startswith("reward.")} == set(REWARD_KEYS)
+
+
+@pytest.mark.parametrize("section, role", [("reward", "reward model"), ("judge.outcome", "outcome judge")])
+def test_an_http_judge_without_its_server_is_named(section, role):
+    config = with_value(load("swirl_arithmetic"), f"{section}.kind", "http")
+    assert refused(config) == (f"config.{section}.base_url: empty; an http {role} needs base_url "
+                               "(e.g. http://127.0.0.1:8000/v1) and model")
+    config = with_value(config, f"{section}.base_url", "http://127.0.0.1:8000/v1")
+    assert refused(config).startswith(f"config.{section}.model: empty")
+    config_schema.check(with_value(config, f"{section}.model", "judge"))

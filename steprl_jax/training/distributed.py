@@ -128,7 +128,7 @@ def host_copy(tree):
 def _sizes(cfg, where: str) -> tuple[int, ...]:
     sizes = tuple(int(cfg.get(axis, 1)) for axis in MESH_AXES)
     if any(s == 0 or s < -1 for s in sizes) or sizes.count(-1) > 1:
-        raise ValueError(f"{where}: axis sizes {dict(zip(MESH_AXES, sizes))} must be positive, with at most "
+        raise ConfigError(f"{where}: axis sizes {dict(zip(MESH_AXES, sizes))} must be positive, with at most "
                          f"one -1 (the devices left over)")
     return sizes
 
@@ -139,11 +139,11 @@ def mesh_of(cfg, devices: Sequence, where: str) -> Mesh:
     known = int(np.prod([s for s in sizes if s != -1]))
     if -1 in sizes:
         if len(devices) % known:
-            raise ValueError(f"{where}: {dict(zip(MESH_AXES, sizes))} does not divide {len(devices)} devices")
+            raise ConfigError(f"{where}: {dict(zip(MESH_AXES, sizes))} does not divide {len(devices)} devices")
         sizes = tuple(len(devices) // known if s == -1 else s for s in sizes)
     total = int(np.prod(sizes))
     if total > len(devices):
-        raise ValueError(f"{where}: {dict(zip(MESH_AXES, sizes))} needs {total} devices, there are {len(devices)}")
+        raise ConfigError(f"{where}: {dict(zip(MESH_AXES, sizes))} needs {total} devices, there are {len(devices)}")
     return Mesh(np.asarray(list(devices)[:total], dtype=object).reshape(sizes), MESH_AXES)
 
 
