@@ -14,7 +14,12 @@ no row idles until the slowest action of a batch is done. Otherwise (`continuous
 `run` takes `batch_size` episodes at a time, each generation call running until all its
 rows stop. Sampling randomness is per episode: the action of episode i at step s uses the
 key fold_in(fold_in(run key, i), s) in both modes, so what an episode samples depends on
-its key and context only, not on how it was scheduled.
+its key and context, not on how it was scheduled — up to float rounding. Its logits differ
+in their last bits with the batch width (so `run` always decodes `batch_size` rows) and with
+which cache slots hold its keys, which its batch-mates' tokens decide (see the sampler's
+"Randomness"), and now and then a draw near a token boundary flips. So a run resumed with
+the episodes still to do (their indices kept) samples what the uninterrupted run sampled but
+for such flips, and log-probs that differ in the last bits.
 
 Trees (PORTool, METHODS 2.3) use the same machinery: a branch is a cache row, and a
 fork copies rows of the cache (`Sampler.fork`), so a shared prefix is computed once.
@@ -134,7 +139,8 @@ class RolloutEngine:
         `config.batch_size` at once, each yielded as it ends (so not in input order); otherwise
         in batches of `config.batch_size`, in order. `indices`: each episode's index for its key
         (default 0, 1, ...): a process running its share of a larger run passes the global ones,
-        and samples what the whole run would have sampled for those episodes."""
+        and samples what the whole run would have sampled for those episodes (but for float
+        rounding: see the module docstring)."""
         self.key, run_key = jax.random.split(self.key)
         indices = np.arange(len(episodes)) if indices is None else np.asarray(indices)
         if len(indices) != len(episodes):
@@ -282,7 +288,7 @@ class RolloutEngine:
         t0 = time.perf_counter()
         state, generations = self.sampler.generate(
             state, self._row_keys(state, rows), max_new_tokens=max_new, params=self._params(), stop=self.env.stop_strings,
-            running=running, max_steps=c.decode_chunk, return_on_finish=True)
+            running=running, max_steps=c.decode_chunk, return_on_finish=True, min_rows=c.batch_size)
         elapsed = time.perf_counter() - t0
         self.stats.generate_s += elapsed
         self.stats.generate_calls += 1
@@ -303,7 +309,7 @@ class RolloutEngine:
         waiting: list[_Branch] = []
         while ready or waiting:
             if ready:
-                state = self._generate_and_act(state, ready)
+                state = self._generate_and_act(state, ready, min_rows=self.config.batch_size)
                 waiting += [b for b in ready if b.future is not None]
                 ready = []
             if waiting:
@@ -317,9 +323,10 @@ class RolloutEngine:
                 ready = [b for b in finished if not b.done]
         return state
 
-    def _generate_and_act(self, state, rows: list[_Branch], with_entropy: bool = False):
+    def _generate_and_act(self, state, rows: list[_Branch], with_entropy: bool = False, min_rows: int = 1):
         """One jitted generation call for `rows` (other rows untouched), then their host work on the pool;
-        `with_entropy` records the per-token entropies whatever the config says."""
+        `with_entropy` records the per-token entropies whatever the config says; `min_rows`: see
+        `Sampler.generate`."""
         if all(b.key is not None for b in rows):
             key = self._row_keys(state, rows)
         else:
@@ -328,7 +335,8 @@ class RolloutEngine:
         max_new[[b.row for b in rows]] = self.config.max_new_tokens
         t0 = time.perf_counter()
         state, generations = self.sampler.generate(state, key, max_new_tokens=max_new,
-                                                   params=self._params(with_entropy), stop=self.env.stop_strings)
+                                                   params=self._params(with_entropy), stop=self.env.stop_strings,
+                                                   min_rows=min_rows)
         elapsed = time.perf_counter() - t0
         self.stats.generate_s += elapsed
         self.stats.generate_calls += 1
