@@ -14,12 +14,10 @@ no row idles until the slowest action of a batch is done. Otherwise (`continuous
 `run` takes `batch_size` episodes at a time, each generation call running until all its
 rows stop. Sampling randomness is per episode: the action of episode i at step s uses the
 key fold_in(fold_in(run key, i), s) in both modes, so what an episode samples depends on
-its key and context, not on how it was scheduled — up to float rounding. Its logits differ
-in their last bits with the batch width (so `run` always decodes `batch_size` rows) and with
-which cache slots hold its keys, which its batch-mates' tokens decide (see the sampler's
-"Randomness"), and now and then a draw near a token boundary flips. So a run resumed with
-the episodes still to do (their indices kept) samples what the uninterrupted run sampled but
-for such flips, and log-probs that differ in the last bits.
+its key and context, not on how it was scheduled — up to float rounding: its logits differ in
+their last bits with its batch-mates (the batch width, which cache slots hold its keys), and now
+and then a draw near a token boundary flips. So a collection that must resume exactly runs in
+waves (`run_in_waves`): an interrupted wave is run again whole, with the same batch-mates.
 
 Trees (PORTool, METHODS 2.3) use the same machinery: a branch is a cache row, and a
 fork copies rows of the cache (`Sampler.fork`), so a shared prefix is computed once.
@@ -37,7 +35,7 @@ import logging
 import math
 import random
 import time
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import Collection, Iterable, Iterator, Optional, Sequence
 
 import jax
 import numpy as np
@@ -47,6 +45,10 @@ from steprl_jax.agents.records import Step, TreeNode, TreeRecord, Trajectory
 from steprl_jax.sampling.sampler import ContextOverflowError, common_prefix_length
 
 log = logging.getLogger(__name__)
+
+# `run_in_waves`: batches of episodes per wave. Larger waves keep rows busier (a wave's last
+# episodes end with rows idle); smaller ones redo less after an interruption.
+WAVE_BATCHES = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,15 +135,17 @@ class RolloutEngine:
         return text, self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     # ------------------------------------------------------------ trajectories
-    def run(self, episodes: Sequence[tuple[str, Task]], indices: Optional[Sequence[int]] = None
-            ) -> Iterator[Trajectory]:
+    def run(self, episodes: Sequence[tuple[str, Task]], indices: Optional[Sequence[int]] = None,
+            run_key=None) -> Iterator[Trajectory]:
         """Yield one Trajectory per (episode id, task). Continuous (the default): at most
         `config.batch_size` at once, each yielded as it ends (so not in input order); otherwise
         in batches of `config.batch_size`, in order. `indices`: each episode's index for its key
         (default 0, 1, ...): a process running its share of a larger run passes the global ones,
-        and samples what the whole run would have sampled for those episodes (but for float
-        rounding: see the module docstring)."""
-        self.key, run_key = jax.random.split(self.key)
+        and samples what the whole run would have sampled for those episodes (up to rounding: see
+        the module docstring). `run_key`: the key the episodes' keys fold from (default: the
+        engine's next)."""
+        if run_key is None:
+            self.key, run_key = jax.random.split(self.key)
         indices = np.arange(len(episodes)) if indices is None else np.asarray(indices)
         if len(indices) != len(episodes):
             raise ValueError(f"run: {len(indices)} indices for {len(episodes)} episodes")
@@ -154,6 +158,23 @@ class RolloutEngine:
         for start in range(0, len(episodes), self.config.batch_size):
             yield from self._run_batch(episodes[start:start + self.config.batch_size],
                                        keys[start:start + self.config.batch_size])
+
+    def run_in_waves(self, episodes: Sequence[tuple[str, Task]], done: Collection[str],
+                     wave: Optional[int] = None) -> Iterator[Trajectory]:
+        """`run` over `episodes` in waves of `wave` episodes (default `WAVE_BATCHES` batches),
+        yielding those whose id is not in `done`. A wave with anything left runs again whole, done
+        episodes included, with the keys of an uninterrupted run: what a resumed collection adds
+        is then exactly what the uninterrupted one sampled (an episode's numbers depend in their
+        last bits on its batch-mates). Waves already done are skipped; at most one wave is redone."""
+        wave = wave or WAVE_BATCHES * self.config.batch_size
+        self.key, run_key = jax.random.split(self.key)  # the key one `run` over everything takes
+        for start in range(0, len(episodes), wave):
+            indices = list(range(start, min(start + wave, len(episodes))))
+            if all(episodes[i][0] in done for i in indices):
+                continue
+            for trajectory in self.run([episodes[i] for i in indices], indices=indices, run_key=run_key):
+                if trajectory.id not in done:
+                    yield trajectory
 
     def _prefill(self, prompt_ids: list):
         t0 = time.perf_counter()
@@ -288,7 +309,7 @@ class RolloutEngine:
         t0 = time.perf_counter()
         state, generations = self.sampler.generate(
             state, self._row_keys(state, rows), max_new_tokens=max_new, params=self._params(), stop=self.env.stop_strings,
-            running=running, max_steps=c.decode_chunk, return_on_finish=True, min_rows=c.batch_size)
+            running=running, max_steps=c.decode_chunk, return_on_finish=True)
         elapsed = time.perf_counter() - t0
         self.stats.generate_s += elapsed
         self.stats.generate_calls += 1
@@ -309,7 +330,7 @@ class RolloutEngine:
         waiting: list[_Branch] = []
         while ready or waiting:
             if ready:
-                state = self._generate_and_act(state, ready, min_rows=self.config.batch_size)
+                state = self._generate_and_act(state, ready)
                 waiting += [b for b in ready if b.future is not None]
                 ready = []
             if waiting:
@@ -323,10 +344,9 @@ class RolloutEngine:
                 ready = [b for b in finished if not b.done]
         return state
 
-    def _generate_and_act(self, state, rows: list[_Branch], with_entropy: bool = False, min_rows: int = 1):
+    def _generate_and_act(self, state, rows: list[_Branch], with_entropy: bool = False):
         """One jitted generation call for `rows` (other rows untouched), then their host work on the pool;
-        `with_entropy` records the per-token entropies whatever the config says; `min_rows`: see
-        `Sampler.generate`."""
+        `with_entropy` records the per-token entropies whatever the config says."""
         if all(b.key is not None for b in rows):
             key = self._row_keys(state, rows)
         else:
@@ -335,8 +355,7 @@ class RolloutEngine:
         max_new[[b.row for b in rows]] = self.config.max_new_tokens
         t0 = time.perf_counter()
         state, generations = self.sampler.generate(state, key, max_new_tokens=max_new,
-                                                   params=self._params(with_entropy), stop=self.env.stop_strings,
-                                                   min_rows=min_rows)
+                                                   params=self._params(with_entropy), stop=self.env.stop_strings)
         elapsed = time.perf_counter() - t0
         self.stats.generate_s += elapsed
         self.stats.generate_calls += 1

@@ -228,15 +228,15 @@ def collect(config, model, tokenizer) -> dict:
     store = RecordStore(_path(config, "trajectories.jsonl"))
     done = store.done_ids()
     episodes = [(f"{t.id}#{e}", t) for t in suite.tasks for e in range(k)]
-    # Each episode keeps its index in the whole collection (its sampling key): a resumed run
-    # samples for the missing episodes exactly what an uninterrupted run would have.
-    todo = [(i, episode) for i, episode in enumerate(episodes) if episode[0] not in done]
+    # In waves that resume whole (RolloutEngine.run_in_waves): a resumed run samples for the
+    # missing episodes exactly what an uninterrupted run would have, token for token.
+    todo = [episode for episode in episodes if episode[0] not in done]
     if todo:
         sampler = Sampler(_sampling_copy(config, model), tokenizer, max_context=int(config.rollout.max_context))
         engine = RolloutEngine(sampler, tokenizer, suite.env, rollout_config(config), seed=int(config.seed))
         bar = tqdm(total=len(todo), desc="collect", disable=not config.progress)
         try:
-            for trajectory in engine.run([e for _, e in todo], indices=[i for i, _ in todo]):
+            for trajectory in engine.run_in_waves(episodes, done):
                 store.append(trajectory)
                 bar.update(1)
         finally:

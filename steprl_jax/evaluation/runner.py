@@ -67,9 +67,8 @@ def evaluate(config, model_and_tokenizer=None, *, split: Optional[str] = None, o
                 bar.update(1)
         else:
             episodes = [(f"{t.id}#{e}", t) for t in suite.tasks for e in range(int(config.rollout.episodes_per_task))]
-            # each episode samples with its index in the whole run: a resumed run samples what it would have
-            indices = [i for i, (episode_id, _) in enumerate(episodes) if episode_id not in done]
-            todo = [episodes[i] for i in indices]
+            # in waves that resume whole: a resumed run samples what it would have, token for token
+            todo = [episode for episode in episodes if episode[0] not in done]
             bar = tqdm(total=len(todo), desc=f"{name}episodes", disable=not config.progress)
             size, batch = int(config.rollout.batch_size), []
 
@@ -78,7 +77,7 @@ def evaluate(config, model_and_tokenizer=None, *, split: Optional[str] = None, o
                     store.append(trajectory)
                 bar.update(len(batch))
 
-            for trajectory in engine.run(todo, indices=indices):
+            for trajectory in engine.run_in_waves(episodes, done):
                 batch.append(trajectory)
                 if len(batch) == size:
                     judge_and_store(batch)

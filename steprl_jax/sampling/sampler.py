@@ -619,7 +619,7 @@ class Sampler:
                  params: SamplingParams = SamplingParams(), stop: Sequence[str] = (),
                  stop_token_ids: Optional[Sequence[int]] = None,
                  running: Optional[Sequence[Optional[Generation]]] = None, max_steps: Optional[int] = None,
-                 return_on_finish: bool = False, min_rows: int = 1) -> tuple[SamplerState, list]:
+                 return_on_finish: bool = False) -> tuple[SamplerState, list]:
         """Generate up to `max_new_tokens` per row, in one jitted loop; returns (state, generations).
 
         Args:
@@ -636,10 +636,6 @@ class Sampler:
             its tokens count against `max_new_tokens`, its stop strings may straddle the calls,
             and its t-th token uses `fold_in(row_key, t)` as if generated in one call. Give
             such a row the same key in every call.
-          min_rows: decode at least this many rows (at least `min_decode_batch`); the padding
-            rows are added once and stay in the returned state. XLA's results for a row change in
-            their last bits with the batch width: a caller whose number of rows varies (e.g. with
-            the episodes left to do) passes its full width so that the number does not change them.
 
         Returns the new state (every sampled token, the last one pending) and one `Generation`
         per row (a continued row's holds all its tokens so far). Without `max_steps` and
@@ -670,7 +666,7 @@ class Sampler:
         limit = wanted if max_steps is None else min(int(max_steps), wanted)
         needed = int(np.minimum(remaining, np.maximum(room, 0)).max(initial=0))
         state, _ = self._ensure_capacity(state, max(min(needed, limit), 1))
-        state = self._widen(state, self._batch_bucket(max(self.min_decode_batch, int(min_rows))))
+        state = self._widen(state, self._batch_bucket(self.min_decode_batch))
         B = state.batch_bucket
         max_new_b = np.zeros(B, np.int32)
         max_new_b[:n] = max_new
