@@ -139,10 +139,9 @@ def record_lines(path, key=lambda record: record["id"]) -> dict:
     return records
 
 
-# The float lists a sampler records. A run that resumes an interrupted collection samples the
-# episodes it still owes in a smaller batch than the uninterrupted run did: the token ids do not
-# depend on that, these do in their last bits, as XLA:CPU computes a matmul of one row with
-# another kernel (another summation order) than one of several rows.
+# The float lists a sampler records: where a test allows it (`same_record`'s atol), these may
+# differ in their last bits (a row's numbers depend on its batch-mates: the batch width, the cache
+# slots they leave it), everything else must be equal.
 SAMPLED_FLOATS = ("action_logprobs", "action_entropies")
 
 

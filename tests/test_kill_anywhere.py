@@ -41,9 +41,9 @@ MATRIX = os.environ.get("STEPRL_JAX_KILL_MATRIX", "") == "1"
 TIMEOUT_S = 600
 
 
-# Records of a collection that resumed part way: sampled log-probs may differ by float32 rounding
-# (resume_helpers.SAMPLED_FLOATS); everything else, token ids included, is compared exactly.
-RESUMED_COLLECTION = 1e-5
+# Records of a collection that resumed part way: exactly equal, log-probs too (an interrupted wave
+# of episodes runs again whole, with its batch-mates: RolloutEngine.run_in_waves).
+RESUMED_COLLECTION = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
