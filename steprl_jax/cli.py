@@ -50,8 +50,9 @@ def install_interrupt_handlers() -> None:
         _interrupted.append(signum)
         signal.signal(signal.SIGINT, second)
         signal.signal(signal.SIGTERM, second)
-        print(f"\n{signal.Signals(signum).name}: stopping (again to exit at once); the same command resumes the "
-              "run", file=sys.stderr, flush=True)
+        # os.write, not print: the main thread may be inside a write to stderr (a reentrant call)
+        os.write(2, f"\n{signal.Signals(signum).name}: stopping (again to exit at once); the same command "
+                    "resumes the run\n".encode())
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, first)
@@ -60,11 +61,13 @@ def install_interrupt_handlers() -> None:
 
 def outcome(error: BaseException, log_path: Optional[str], debug: bool) -> int:
     """Print the one line that says how the run ended by `error`; return the exit status."""
-    if isinstance(error, KeyboardInterrupt):
+    detail = "".join(traceback.format_exception(error))
+    if isinstance(error, KeyboardInterrupt) or interrupted():  # whatever the unwinding raised after it
+        if not isinstance(error, KeyboardInterrupt) and log_path:
+            _append(log_path, detail)
         print("interrupted; the same command resumes the run", file=sys.stderr)
         return EXIT_INTERRUPTED
     text = " ".join(str(error).split()) or type(error).__name__
-    detail = "".join(traceback.format_exception(error))
     bad_input = isinstance(error, (BadInput, *_ENVIRONMENT_ERRORS))
     if log_path or not bad_input:
         log_path = _append(log_path, detail)

@@ -161,6 +161,7 @@ FIELDS: dict[str, Field] = {
     "rollout.max_result_chars": integer(1, optional=True),
     "rollout.continuous": flag(optional=True),
     "rollout.decode_chunk": integer(1, optional=True),
+    "rollout.deterministic": flag(optional=True),
     # The rl job takes its rollout from config.algorithm (it never reads `enabled`; the portool
     # config keeps it on for --config.job=evaluate); SWiRL samples episodes only.
     "rollout.tree.enabled": flag(jobs=EVALUATE, ignored_by=(("swirl", "SWiRL never samples trees"),), off=False),

@@ -66,10 +66,7 @@ JOBS = {"evaluate": _evaluate, "swirl": _swirl, "rl": _rl}
 
 def check(config) -> None:
     """Refuse a config that cannot run, before anything is loaded or written (ConfigError)."""
-    job = config.get("job", "evaluate")
-    if job not in JOBS:
-        raise ConfigError(f"config.job: unknown job {job!r}; valid jobs: {', '.join(sorted(JOBS))}")
-    config_schema.check(config)
+    config_schema.check(config)  # the job's name too (config_schema.JOBS is JOBS' keys)
     if os.path.exists(config.workdir) and not os.path.isdir(config.workdir):
         raise ConfigError(f"config.workdir: {config.workdir} is a file, not a folder")
 

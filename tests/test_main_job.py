@@ -61,7 +61,7 @@ def test_refusals_are_one_line_and_come_before_the_model_loads(tmp_path):
     (workdir / "stages").mkdir(parents=True)
     (workdir / "stages" / "collect.json").write_text(json.dumps(
         {"key": {"temperature": 0.7, "env.few_shot": 1}, "complete": False}))
-    (workdir / "trajectories.jsonl").write_text("")
+    (workdir / "trajectories.jsonl").write_text("{}\n")  # what it collected (never read: refused first)
     out = _run(_swirl(workdir, "unused", "--config.env.few_shot=0", "--config.rollout.temperature=1.3"))
     assert out.returncode == cli.EXIT_BAD_INPUT and "Traceback" not in out.stderr, out.stderr
     line = _last_line(out.stderr)
@@ -191,3 +191,9 @@ def test_sigterm_mid_collect_then_resume_equals_an_uninterrupted_run(whole, tmp_
     resumed = _records(records)
     assert len(resumed) == 8 and {r["id"] for r in resumed} == set(expected)  # nothing lost or duplicated
     assert _sampled(resumed) == _sampled(expected.values())  # token for token the uninterrupted run's
+
+
+def test_the_schema_knows_every_job():
+    from steprl_jax import config_schema, main
+
+    assert set(config_schema.JOBS) == set(main.JOBS)

@@ -65,6 +65,11 @@ class RolloutConfig:
     max_result_chars: int = MAX_RESULT_CHARS  # longer tool results reach the agent cut, with a marker
     # Rows whose tools finish within this window after the first one join the same generation call.
     coalesce_s: float = 0.02
+    # Wait for every tool call of a generation call before the next one, so that which rows decode
+    # together (and so every logit, to the last bit) depends on the tools' results only, never on
+    # their timing: runs, and resumed runs, are exactly reproducible. False lets the other rows
+    # decode while slow tools (seconds each) run.
+    deterministic: bool = True
     continuous: bool = True  # `run`: continuous batching (see the module docstring)
     decode_chunk: int = 16  # continuous: decode steps per generation call at most
 
@@ -251,12 +256,8 @@ class RolloutEngine:
                     waiting += [b for b in generating if b.future is not None]
                 if not waiting:
                     continue
-                if not any(b is not None and b.future is None and not b.done for b in rows):
-                    # Nothing to decode until a tool returns.
-                    t0 = time.perf_counter()
-                    concurrent.futures.wait([b.future for b in waiting], return_when=concurrent.futures.FIRST_COMPLETED)
-                    time.sleep(c.coalesce_s)  # let near-simultaneous tools join the next call
-                    self.stats.tool_wait_s += time.perf_counter() - t0
+                if c.deterministic or not any(b is not None and b.future is None and not b.done for b in rows):
+                    self._wait_for_tools(waiting)  # (or nothing to decode until a tool returns)
                 finished, waiting = _split_done(waiting)
                 if not finished:
                     continue
@@ -334,15 +335,22 @@ class RolloutEngine:
                 waiting += [b for b in ready if b.future is not None]
                 ready = []
             if waiting:
-                t0 = time.perf_counter()
-                done, _ = concurrent.futures.wait([b.future for b in waiting],
-                                                  return_when=concurrent.futures.FIRST_COMPLETED)
-                time.sleep(self.config.coalesce_s)  # let near-simultaneous tools join this call
+                self._wait_for_tools(waiting)
                 finished, waiting = _split_done(waiting)
-                self.stats.tool_wait_s += time.perf_counter() - t0
                 state = self._append_observations(state, finished, branches)
                 ready = [b for b in finished if not b.done]
         return state
+
+    def _wait_for_tools(self, waiting: list[_Branch]) -> None:
+        """Block until the tools of `waiting` return: all of them (`deterministic`), or the first
+        and those within `coalesce_s` of it (which ones is up to timing)."""
+        t0 = time.perf_counter()
+        if self.config.deterministic:
+            concurrent.futures.wait([b.future for b in waiting])
+        else:
+            concurrent.futures.wait([b.future for b in waiting], return_when=concurrent.futures.FIRST_COMPLETED)
+            time.sleep(self.config.coalesce_s)  # let near-simultaneous tools join the next call
+        self.stats.tool_wait_s += time.perf_counter() - t0
 
     def _generate_and_act(self, state, rows: list[_Branch], with_entropy: bool = False):
         """One jitted generation call for `rows` (other rows untouched), then their host work on the pool;

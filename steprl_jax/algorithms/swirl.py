@@ -38,8 +38,8 @@ from steprl_jax.algorithms import sft as sft_lib
 from steprl_jax.algorithms.offline import (OfflineSpec, export_adapters, export_policy, lora_fields, optimizer_config,
                                            train_offline, update_key)
 from steprl_jax.algorithms.rl import policy_temperature
-from steprl_jax.algorithms.workdir import (IncompatibleRunError, check_manifest, clear_stage, key_differences,
-                                           mark_stage, stage_marker)
+from steprl_jax.algorithms.workdir import (IncompatibleRunError, check_manifest, key_differences, mark_stage,
+                                           reopen_stage, stage_marker)
 from steprl_jax.data.units import Unit, read_units, write_units
 from steprl_jax.errors import ConfigError
 from steprl_jax.evaluation.metrics import write_json_atomic
@@ -128,9 +128,9 @@ def run(config, model_and_tokenizer=None) -> dict:
         t0 = time.perf_counter()
         mark_stage(config.workdir, stage, {"key": key, "complete": False})  # a resume checks its key
         result = _STAGE_FNS[stage](config, model, tokenizer)
-        # What a stage read may have changed: later stages run again.
+        # What a stage read may have changed: later stages run again (their keys kept).
         for later in STAGES[STAGES.index(stage) + 1:]:
-            clear_stage(config.workdir, later)
+            reopen_stage(config.workdir, later)
         failpoints.hit("swirl.stage.before_mark")
         mark_stage(config.workdir, stage, {**result, "key": key, "complete": True})
         failpoints.hit("swirl.stage.after_mark")
@@ -144,13 +144,23 @@ _RESUMED_OUTPUTS = {"collect": ("trajectories.jsonl",), "judge": ("judged.jsonl"
                     "train": ("checkpoints/swirl",), "sft": ("checkpoints/sft",), "eval": ("eval",)}
 
 
+def _holds_output(path: str) -> bool:
+    """Whether `path` holds something a resume would go on from: a record, a committed checkpoint
+    step (a folder named by its number), an evaluation result."""
+    if os.path.isfile(path):
+        return os.path.getsize(path) > 0
+    if not os.path.isdir(path):
+        return False
+    return any(name.isdigit() or name.endswith(".json") for name in os.listdir(path))
+
+
 def _resume_allowed(config, stage: str, marker: dict, key: dict) -> bool:
     """False when the stage's recorded settings differ but it rewrites its output anyway (filter,
     or nothing on disk yet); an IncompatibleRunError when going on would mix two settings' data."""
     differ = key_differences(marker.get("key", {}), key)
     if not differ:
         return True
-    present = [p for p in _RESUMED_OUTPUTS.get(stage, ()) if os.path.exists(_path(config, p))]
+    present = [p for p in _RESUMED_OUTPUTS.get(stage, ()) if _holds_output(_path(config, p))]
     if present:
         detail = "; ".join(differ)
         raise IncompatibleRunError(
@@ -188,7 +198,7 @@ def _stage_key(config, stage: str) -> dict:
     s, r, e = config.swirl, config.rollout, config.env
     # how a stage batches its work changes nothing it writes (the same gradient, the same samples)
     logistics = ("save_every", "num_microbatches", "max_microbatch_tokens")
-    reward_settings = ("kind", "scale", "base_url", "model", "votes")  # not its timeouts and retries
+    reward_settings = ("kind", "scale", "model", "votes")  # not where it is served, its timeouts, retries
     keys = {"collect": {"temperature": float(r.temperature), "top_k": int(r.top_k), "top_p": float(r.top_p),
                         "max_new_tokens": int(r.max_new_tokens), "max_context": int(r.max_context),
                         "max_result_chars": int(r.get("max_result_chars", 0)), "env.format": e.format,
@@ -200,11 +210,11 @@ def _stage_key(config, stage: str) -> dict:
                       "outcome.votes": int(config.judge.outcome.get("votes", 1)),
                       "process.votes": int(config.judge.process.get("votes", 1))},
             "filter": {"filter": s.filter, "granularity": s.granularity, "drop_easy": bool(s.drop_easy)},
-            "train": {"filter": s.filter, "granularity": s.granularity,
+            "train": {"filter": s.filter, "granularity": s.granularity, "drop_easy": bool(s.drop_easy),
                       **{k: v for k, v in s.train.to_dict().items() if k not in logistics},
                       "reward": {k: v for k, v in config.reward.to_dict().items() if k in reward_settings},
                       "optimizer": config.optimizer.to_dict()},
-            "sft": {"filter": s.filter, "granularity": s.granularity,
+            "sft": {"filter": s.filter, "granularity": s.granularity, "drop_easy": bool(s.drop_easy),
                     **{k: v for k, v in s.sft.to_dict().items() if k not in logistics},
                     "optimizer": config.optimizer.to_dict()},
             "eval": {"temperature": float(config.eval.temperature),

@@ -2,7 +2,8 @@
 the markers that say a stage is complete.
 
     manifest = check_manifest(workdir, {"job": "swirl", "model.source": ..., "task.name": ..., ...})
-    if not stage_done(workdir, "filter"): ...; mark_stage(workdir, "filter", summary)
+    marker = stage_marker(workdir, "filter")   # None, or {"key": ..., "complete": ..., summary}
+    mark_stage(workdir, "filter", {"key": key, "complete": True, **summary})
 
 A stage's marker holds the settings its output depends on (`key`) and whether it finished
 (`complete`); it is written when the stage starts, so that a resumed stage whose settings differ
@@ -75,12 +76,6 @@ def stage_marker(workdir: str, stage: str) -> Optional[dict]:
     return marker
 
 
-def stage_done(workdir: str, stage: str) -> Optional[dict]:
-    """The summary a completed stage left, or None."""
-    marker = stage_marker(workdir, stage)
-    return marker if marker is not None and marker["complete"] else None
-
-
 def key_differences(recorded: Mapping[str, Any], now: Mapping[str, Any], prefix: str = "") -> list[str]:
     """'field: recorded X, now Y' for each field (nested mappings as dotted paths) that both hold
     with different values; a field one of them lacks is not a difference (keys grow over time)."""
@@ -98,8 +93,9 @@ def mark_stage(workdir: str, stage: str, summary: Mapping[str, Any]) -> None:
     write_json_atomic(_marker(workdir, stage), dict(summary))
 
 
-def clear_stage(workdir: str, stage: str) -> None:
-    try:  # several processes may clear the same marker
-        os.remove(_marker(workdir, stage))
-    except FileNotFoundError:
-        pass
+def reopen_stage(workdir: str, stage: str) -> None:
+    """Mark a stage incomplete (it runs again) and keep its key: the output it left is still
+    protected from a resume with other settings."""
+    marker = stage_marker(workdir, stage)
+    if marker is not None and marker["complete"]:
+        mark_stage(workdir, stage, {"key": marker.get("key", {}), "complete": False})

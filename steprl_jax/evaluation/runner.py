@@ -26,6 +26,7 @@ def rollout_config(config) -> RolloutConfig:
                          max_context=int(r.max_context), temperature=float(r.temperature), top_k=int(r.top_k),
                          top_p=float(r.top_p), batch_size=int(r.batch_size), tool_workers=int(r.tool_workers),
                          continuous=bool(r.get("continuous", True)), decode_chunk=int(r.get("decode_chunk", 16)),
+                         deterministic=bool(r.get("deterministic", True)),
                          max_result_chars=int(r.get("max_result_chars", RolloutConfig.max_result_chars)))
 
 

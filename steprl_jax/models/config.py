@@ -10,7 +10,7 @@ import dataclasses
 import math
 from typing import Any, Optional
 
-from steprl_jax.errors import ConfigError  # noqa: F401  (a checkpoint config asks for what the model lacks)
+from steprl_jax.errors import ConfigError  # also a checkpoint config asking for what the model lacks
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
 
@@ -26,8 +26,6 @@ _MODEL_TYPES = {
 }
 
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
-
-
 
 
 @dataclasses.dataclass(frozen=True)
