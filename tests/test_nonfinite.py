@@ -46,6 +46,19 @@ def test_read_metrics_skips_a_cut_last_line_and_names_a_damaged_one(tmp_path):
             read_metrics(str(tmp_path))
 
 
+def test_a_resumed_metrics_log_ends_a_torn_line_before_appending(tmp_path, caplog):
+    MetricsLog(str(tmp_path), "swirl").write(1, {"loss": 0.5})
+    path = tmp_path / "metrics.jsonl"
+    with open(path, "ab") as f:
+        f.write(b'{"stage": "swirl", "step": 2, "lo')  # killed mid-line
+    MetricsLog(str(tmp_path), "swirl").write(2, {"loss": 0.25})
+    assert [(r["step"], r["loss"]) for r in read_metrics(str(tmp_path))["swirl"]] == [(1, 0.5), (2, 0.25)]
+    assert f"{path}:2: removed an incomplete last line" in caplog.text
+    path.write_bytes(path.read_bytes()[:-1])  # only the newline lost: the line stays
+    MetricsLog(str(tmp_path), "swirl").write(3, {"loss": 0.125})
+    assert [r["step"] for r in read_metrics(str(tmp_path))["swirl"]] == [1, 2, 3]
+
+
 def test_write_json_atomic_refuses_nan_naming_the_file_and_the_key(tmp_path):
     path = tmp_path / "sft.json"
     with pytest.raises(ValueError) as failure:

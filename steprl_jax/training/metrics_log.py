@@ -20,6 +20,7 @@ naming the file; the log can go on once there is space.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import socket
@@ -30,11 +31,35 @@ from typing import Mapping
 from steprl_jax.data.jsonl import DataFormatError, append_whole, decode_line, parse_line
 
 
+log = logging.getLogger(__name__)
+
+
+def end_torn_line(path: str) -> None:
+    """Before appending: a last line that only lost its newline gets it back; one that does not
+    parse (its write never finished; the resumed run logs that step again) is removed, said in a
+    warning. Otherwise the next line would join it into a damaged line in the middle of the file."""
+    if not os.path.exists(path):
+        return
+    with open(path, "rb+") as f:
+        data = f.read()  # one short line per update
+        if not data or data.endswith(b"\n"):
+            return
+        start = data.rfind(b"\n") + 1
+        try:
+            json.loads(data[start:])
+            f.write(b"\n")
+        except ValueError:
+            f.truncate(start)
+            log.warning("%s:%d: removed an incomplete last line (%d bytes)", path, data.count(b"\n") + 1,
+                        len(data) - start)
+
+
 class MetricsLog:
     def __init__(self, workdir: str, stage: str):
         self.path = os.path.join(workdir, "metrics.jsonl")
         self.stage = stage
         os.makedirs(workdir, exist_ok=True)
+        end_torn_line(self.path)
         self._events = EventFile(os.path.join(workdir, "tb", stage))
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
