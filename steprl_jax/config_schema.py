@@ -469,8 +469,11 @@ def _check_task_counts(config, job: str) -> None:
         offset, count = _value(config, offset_path, 0), _value(config, count_path, 0)
         if task["name"] in ("arithmetic", "toolworld"):
             limit, source = MAX_GENERATED_TASKS, f"the {task['name']} tasks are generated"
-        elif path and os.path.isfile(path):  # a missing file is the loader's to name
+        elif path and os.path.isfile(path):
             limit, source = _records(path), f"the tasks in {path}"
+        elif path:
+            field = "task.eval_path" if path == task.get("eval_path") else "task.path"
+            raise ConfigError(f"config.{field}: {path} is not a file")
         else:
             continue
         if offset + count > limit:
