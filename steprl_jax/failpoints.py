@@ -11,6 +11,9 @@ hit that kills (default 1): the process sends itself SIGKILL the 3rd time it rea
 variable is read once, at import; unarmed, `hit` is one dictionary look-up. `armed(name)` lets a
 writer do its work in a way that makes the kill meaningful (e.g. write half a line first).
 
+`STEPRL_JAX_TERM_AT` (same format) sends SIGTERM instead, which the process's own handler turns
+into a clean stop (the main job: exit 130, resumable).
+
 The points (grep for `failpoints.hit`):
 
     records.append.mid      a record line half written (and fsynced) to its JSONL store
@@ -31,7 +34,10 @@ import threading
 ENV = "STEPRL_JAX_KILL_AT"
 
 
-def parse(text: str) -> dict[str, int]:
+TERM_ENV = "STEPRL_JAX_TERM_AT"  # the same points, but SIGTERM: the process's own handler stops it
+
+
+def parse(text: str, env: str = ENV) -> dict[str, int]:
     """"a:3,b" -> {"a": 3, "b": 1}."""
     out = {}
     for part in text.split(","):
@@ -42,13 +48,14 @@ def parse(text: str) -> dict[str, int]:
         try:
             out[name.strip()] = int(count) if count else 1
         except ValueError:
-            raise ValueError(f"{ENV}={text!r}: {part!r} is not NAME or NAME:COUNT") from None
+            raise ValueError(f"{env}={text!r}: {part!r} is not NAME or NAME:COUNT") from None
         if out[name.strip()] < 1:
-            raise ValueError(f"{ENV}={text!r}: the count of {name!r} must be >= 1")
+            raise ValueError(f"{env}={text!r}: the count of {name!r} must be >= 1")
     return out
 
 
 _ARMED = parse(os.environ.get(ENV, ""))
+_TERM = parse(os.environ.get(TERM_ENV, ""), TERM_ENV)
 _HITS: dict[str, int] = {}
 _LOCK = threading.Lock()
 
@@ -58,11 +65,15 @@ def armed(name: str) -> bool:
 
 
 def hit(name: str) -> None:
-    """Count a pass through `name`; SIGKILL this process on the armed pass."""
-    if name not in _ARMED:
+    """Count a pass through `name`; SIGKILL this process on the armed pass (SIGTERM on the pass
+    armed by STEPRL_JAX_TERM_AT)."""
+    if name not in _ARMED and name not in _TERM:
         return
     with _LOCK:
         _HITS[name] = count = _HITS.get(name, 0) + 1
-    if count == _ARMED[name]:
+    if count == _TERM.get(name):
+        os.write(2, f"fail point {name}:{count}: SIGTERM\n".encode())
+        os.kill(os.getpid(), signal.SIGTERM)
+    if count == _ARMED.get(name):
         os.write(2, f"fail point {name}:{count}: SIGKILL\n".encode())
         os.kill(os.getpid(), signal.SIGKILL)

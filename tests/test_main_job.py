@@ -7,7 +7,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -172,19 +171,17 @@ def test_a_damaged_marker_or_manifest_is_named_with_a_way_on(whole, tmp_path, mo
 def test_sigterm_mid_collect_then_resume_equals_an_uninterrupted_run(whole, tmp_path, model_dir):
     expected = whole[1]
 
-    # SIGTERM once the first record is on disk: the run stops (130) and says how to go on.
+    # SIGTERM right after the third record is on disk (a fail point sends it; the job's own
+    # handler stops the run): it exits 130 and says how to go on.
     workdir = tmp_path / "stopped"
-    process = subprocess.Popen(_swirl(workdir, model_dir), cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True)
     records = workdir / "trajectories.jsonl"
-    deadline = time.time() + 240
-    while not (records.exists() and records.stat().st_size) and process.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    process.send_signal(signal.SIGTERM)
-    stderr = process.communicate(timeout=120)[1]
-    assert process.returncode == cli.EXIT_INTERRUPTED, stderr[-3000:]
-    assert _last_line(stderr) == "interrupted; the same command resumes the run"
+    out = subprocess.run(_swirl(workdir, model_dir), cwd=ROOT, env={**ENV, "STEPRL_JAX_TERM_AT": "records.append.after:3"},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == cli.EXIT_INTERRUPTED, out.stderr[-3000:]
+    assert "fail point records.append.after:3: SIGTERM" in out.stderr
+    assert _last_line(out.stderr) == "interrupted; the same command resumes the run"
     kept = _records(records)
-    assert 1 <= len(kept) < 8  # stopped mid-stage
+    assert len(kept) == 3  # stopped mid-stage
 
     out = _run(_swirl(workdir, model_dir))
     assert out.returncode == 0, out.stderr[-3000:]
@@ -197,3 +194,19 @@ def test_the_schema_knows_every_job():
     from steprl_jax import config_schema, main
 
     assert set(config_schema.JOBS) == set(main.JOBS)
+
+
+def test_a_second_signal_exits_at_once():
+    # a job that is slow to stop (it sleeps after the first interrupt): the second one ends it
+    code = ("import time\nfrom steprl_jax import cli\ncli.install_interrupt_handlers()\nprint('ready', flush=True)\n"
+            "try:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    print('stopping', flush=True)\n"
+            "    time.sleep(60)\n")
+    process = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    assert process.stdout.readline() == "ready\n"
+    process.send_signal(signal.SIGTERM)  # SIGTERM is handled like Ctrl-C
+    assert process.stdout.readline() == "stopping\n"
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=20)
+    assert process.returncode == cli.EXIT_INTERRUPTED
+    assert "SIGTERM: stopping (again to exit at once)" in stderr
