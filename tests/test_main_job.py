@@ -198,9 +198,10 @@ def test_the_schema_knows_every_job():
 
 def test_a_second_signal_exits_at_once():
     # a job that is slow to stop (it sleeps after the first interrupt): the second one ends it
-    code = ("import time\nfrom steprl_jax import cli\ncli.install_interrupt_handlers()\nprint('ready', flush=True)\n"
-            "try:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    print('stopping', flush=True)\n"
-            "    time.sleep(60)\n")
+    # (`ready` is printed inside the try: the signal may land before print returns)
+    code = ("import time\nfrom steprl_jax import cli\ncli.install_interrupt_handlers()\n"
+            "try:\n    print('ready', flush=True)\n    time.sleep(60)\nexcept KeyboardInterrupt:\n"
+            "    print('stopping', flush=True)\n    time.sleep(60)\n")
     process = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
     assert process.stdout.readline() == "ready\n"
