@@ -115,6 +115,12 @@ def _judge_fields(prefix: str, jobs: tuple, rule_keys: bool) -> dict:
     return {f"{prefix}.{k}": v for k, v in fields.items()}
 
 
+def _micro_batching(prefix: str, jobs: tuple) -> dict:
+    """How a training stage splits a batch into micro-batches (the same gradient either way)."""
+    return {f"{prefix}.num_microbatches": integer(1, jobs=jobs),
+            f"{prefix}.max_microbatch_tokens": integer(0, jobs=jobs, note="0: exactly num_microbatches")}
+
+
 # ----------------------------------------------------------------------------- the table
 # Shared sections first, then each job's own: a config that lacks a job's sections is told the
 # first of them (config.swirl, config.rl) before the fields they hold.
@@ -204,8 +210,7 @@ FIELDS: dict[str, Field] = {
     "swirl.train.updates": integer(1, jobs=SWIRL),
     "swirl.train.ppo_epochs": integer(1, jobs=SWIRL),
     "swirl.train.minibatches": integer(1, jobs=SWIRL),
-    "swirl.train.num_microbatches": integer(1, jobs=SWIRL),
-    "swirl.train.max_microbatch_tokens": integer(0, jobs=SWIRL, note="0: exactly num_microbatches"),
+    **_micro_batching("swirl.train", SWIRL),
     "swirl.train.advantage": text("rloo", "zscore", jobs=SWIRL),
     "swirl.train.scale_by_std": flag(jobs=SWIRL),
     "swirl.train.agg": text("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm",
@@ -216,8 +221,7 @@ FIELDS: dict[str, Field] = {
     "swirl.train.save_every": integer(1, jobs=SWIRL),
     "swirl.sft.epochs": integer(1, jobs=SWIRL),
     "swirl.sft.batch_size": integer(1, jobs=SWIRL),
-    "swirl.sft.num_microbatches": integer(1, jobs=SWIRL),
-    "swirl.sft.max_microbatch_tokens": integer(0, jobs=SWIRL, note="0: exactly num_microbatches"),
+    **_micro_batching("swirl.sft", SWIRL),
     "judge.batch_size": integer(1, jobs=SWIRL),
     "stages": Field("csv", choices=("collect", "judge", "filter", "train", "sft", "eval"), nonempty=True, jobs=SWIRL),
     **_judge_fields("reward", SWIRL, rule_keys=False),
@@ -230,8 +234,7 @@ FIELDS: dict[str, Field] = {
     "rl.queries_per_iteration": integer(1, jobs=RL),
     "rl.ppo_epochs": integer(1, jobs=RL),
     "rl.minibatches": integer(1, jobs=RL),
-    "rl.num_microbatches": integer(1, jobs=RL),
-    "rl.max_microbatch_tokens": integer(0, jobs=RL, note="0: exactly num_microbatches"),
+    **_micro_batching("rl", RL),
     "rl.save_every": integer(1, jobs=RL),
     "rl.eval_every": integer(1, jobs=RL),
     "rl.max_row_tokens": integer(0, jobs=RL, note="0: no cap"),
@@ -247,8 +250,7 @@ FIELDS: dict[str, Field] = {
     "rl.warm_start.updates": integer(0, jobs=RL, note="0: no warm start"),
     "rl.warm_start.batch_size": integer(1, jobs=RL),
     "rl.warm_start.learning_rate": positive(jobs=RL),
-    "rl.warm_start.num_microbatches": integer(1, jobs=RL),
-    "rl.warm_start.max_microbatch_tokens": integer(0, jobs=RL, note="0: exactly num_microbatches"),
+    **_micro_batching("rl.warm_start", RL),
     "rl.warm_start.max_row_tokens": integer(0, jobs=RL, note="0: no cap"),
     "rl.portool.w1": number(0, jobs=RL),
     "rl.portool.w2": number(0, jobs=RL),

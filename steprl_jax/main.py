@@ -74,6 +74,10 @@ def check(config) -> None:
 def run(config) -> dict:
     """Run the configured job; returns its summary (also written to the workdir)."""
     check(config)
+    return _run_checked(config)
+
+
+def _run_checked(config) -> dict:
     job = config.get("job", "evaluate")
     if "distributed" in config:  # first: jax.distributed must start before any device is touched
         from steprl_jax.training import distributed
@@ -124,7 +128,7 @@ def main(argv):
     try:
         check(config)  # before the workdir exists: a refused config leaves nothing behind
         log_path = _log_to_workdir(config.workdir)
-        metrics = run(config)
+        metrics = _run_checked(config)
         if cli.interrupted():  # the interrupt was dropped on its way (see cli.interrupted)
             raise KeyboardInterrupt
     except BaseException as err:  # noqa: BLE001  every way out gets its one line and exit status

@@ -30,7 +30,7 @@ from typing import Any, Iterator, Optional
 
 from steprl_jax.errors import BadInput
 from steprl_jax import failpoints
-from steprl_jax.data.jsonl import append_whole, iter_json_lines
+from steprl_jax.data.jsonl import append_whole, end_torn_line, iter_json_lines
 
 log = logging.getLogger(__name__)
 
@@ -334,36 +334,6 @@ def check_token_ids(record, vocab_size: int, where: str) -> None:
 
 
 # ------------------------------------------------------------ the store
-def _last_line_start(f, size: int) -> int:
-    """Offset just after the last newline in the first `size` bytes of `f` (0 if there is none)."""
-    end = size
-    while end > 0:
-        start = max(0, end - (1 << 16))
-        f.seek(start)
-        at = f.read(end - start).rfind(b"\n")
-        if at >= 0:
-            return start + at + 1
-        end = start
-    return 0
-
-
-def _count_newlines(f, end: int) -> int:
-    f.seek(0)
-    count, left = 0, end
-    while left > 0:
-        chunk = f.read(min(left, 1 << 20))
-        count, left = count + chunk.count(b"\n"), left - len(chunk)
-    return count
-
-
-def _whole_json(line: bytes) -> bool:
-    """A JSON object ends with its closing brace: one that parses was written whole."""
-    try:
-        return isinstance(json.loads(line.decode("utf-8")), dict)
-    except ValueError:
-        return False
-
-
 _LINE_HEAD = re.compile(rb'^\{"version": \d+, "type": "\w+", "id": ("(?:[^"\\]|\\.)*")')
 
 
@@ -398,24 +368,9 @@ class RecordStore:
     def _repair_incomplete_tail(self) -> None:
         """A last line without its newline: whole JSON (only the newline was lost) gets the newline
         back and stays; anything else is a write that never finished, and is removed."""
-        if not os.path.exists(self.path):
-            return
-        with open(self.path, "rb") as f:
-            start = _last_line_start(f, f.seek(0, os.SEEK_END))
-            f.seek(start)
-            tail = f.read()
-        if not tail:  # empty, or ends with a newline
-            return
-        whole = _whole_json(tail)
-        with open(self.path, "rb+") as f:
-            if whole:
-                f.seek(0, os.SEEK_END)
-                f.write(b"\n")
-            else:
-                f.truncate(start)
-            os.fsync(f.fileno())
-            number = _count_newlines(f, start) + 1
-        if not whole:
+        removed = end_torn_line(self.path)
+        if removed is not None:
+            number, tail = removed
             self.removed_ids = [_record_id(tail)]
             log.warning("%s:%d: removed an incomplete last line (%d bytes, record id %s): its write never "
                         "finished, so that record is not done and is written again", self.path, number,

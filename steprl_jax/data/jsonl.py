@@ -58,6 +58,60 @@ def iter_json_lines(path: str | os.PathLike, error: type = DataFormatError) -> I
             yield number, parse_line(line, f"{path}:{number}", error)
 
 
+def end_torn_line(path: str | os.PathLike) -> tuple[int, bytes] | None:
+    """Before appending to a JSONL file: a last line without its newline that is a whole JSON
+    object (only the newline was lost) gets the newline back; anything else is a write that never
+    finished and is cut off. Returns (its line number, its bytes) when a line was removed."""
+    if not os.path.exists(path):
+        return None
+    with open(path, "rb") as f:
+        start = _last_line_start(f, f.seek(0, os.SEEK_END))
+        f.seek(start)
+        tail = f.read()
+    if not tail:  # empty, or ends with a newline
+        return None
+    whole = _whole_json(tail)
+    with open(path, "rb+") as f:
+        if whole:
+            f.seek(0, os.SEEK_END)
+            f.write(b"\n")
+        else:
+            f.truncate(start)
+        os.fsync(f.fileno())
+        number = _count_newlines(f, start) + 1
+    return None if whole else (number, tail)
+
+
+def _last_line_start(f, size: int) -> int:
+    """Offset just after the last newline in the first `size` bytes of `f` (0 if there is none)."""
+    end = size
+    while end > 0:
+        start = max(0, end - (1 << 16))
+        f.seek(start)
+        at = f.read(end - start).rfind(b"\n")
+        if at >= 0:
+            return start + at + 1
+        end = start
+    return 0
+
+
+def _count_newlines(f, end: int) -> int:
+    f.seek(0)
+    count, left = 0, end
+    while left > 0:
+        chunk = f.read(min(left, 1 << 20))
+        count, left = count + chunk.count(b"\n"), left - len(chunk)
+    return count
+
+
+def _whole_json(line: bytes) -> bool:
+    """A JSON object ends with its closing brace: one that parses was written whole."""
+    try:
+        return isinstance(json.loads(line.decode("utf-8")), dict)
+    except ValueError:
+        return False
+
+
 def read_json(path: str | os.PathLike, how_to_go_on: str) -> Any:
     """The JSON value in the file `path` (a marker, a manifest). A damaged file (bad bytes, invalid
     JSON) is a `DataFormatError`: "{path}: not valid JSON ({error}); {how_to_go_on}"."""

@@ -28,30 +28,10 @@ import struct
 import time
 from typing import Mapping
 
-from steprl_jax.data.jsonl import DataFormatError, append_whole, decode_line, parse_line
+from steprl_jax.data.jsonl import DataFormatError, append_whole, decode_line, end_torn_line, parse_line
 
 
 log = logging.getLogger(__name__)
-
-
-def end_torn_line(path: str) -> None:
-    """Before appending: a last line that only lost its newline gets it back; one that does not
-    parse (its write never finished; the resumed run logs that step again) is removed, said in a
-    warning. Otherwise the next line would join it into a damaged line in the middle of the file."""
-    if not os.path.exists(path):
-        return
-    with open(path, "rb+") as f:
-        data = f.read()  # one short line per update
-        if not data or data.endswith(b"\n"):
-            return
-        start = data.rfind(b"\n") + 1
-        try:
-            json.loads(data[start:])
-            f.write(b"\n")
-        except ValueError:
-            f.truncate(start)
-            log.warning("%s:%d: removed an incomplete last line (%d bytes)", path, data.count(b"\n") + 1,
-                        len(data) - start)
 
 
 class MetricsLog:
@@ -59,7 +39,9 @@ class MetricsLog:
         self.path = os.path.join(workdir, "metrics.jsonl")
         self.stage = stage
         os.makedirs(workdir, exist_ok=True)
-        end_torn_line(self.path)
+        removed = end_torn_line(self.path)  # else the next line would join a cut one mid-file
+        if removed is not None:
+            log.warning("%s:%d: removed an incomplete last line (%d bytes)", self.path, removed[0], len(removed[1]))
         self._events = EventFile(os.path.join(workdir, "tb", stage))
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
