@@ -1,7 +1,8 @@
 """Grouped-query attention over an additive mask bias, with its own backward pass.
 
 `attention` takes queries [B, T, N, H], keys and values laid out [B, K, S, H] (the KV cache's
-layout) and a float32 bias [B, T, S] (0 for a visible key, MASKED for a hidden one); it returns
+layout) and a float32 bias [B, T, S] (0 for a visible key, MASKED for a hidden one) or a
+boolean mask [B, T, S] (True: visible); it returns
 [B, K, T, G, H] (query head n = k * G + g). `causal_attention` is the same over a full sequence
 whose mask is causal, computed per block of queries over the keys up to the block's end.
 
@@ -149,7 +150,12 @@ def _core_fwd(q_bkmh, k_bksh, v_bksh, bias_bts, softcap, dtype):
         tanh = jnp.tanh(logits / softcap)
         logits = softcap * tanh
     # + MASKED is exactly MASKED in float32 (|logits| is far below its ulp), as a `where` gives.
-    logits = logits.reshape(B, K, T, M // T, -1) + bias_bts[:, None, :, None, :]
+    # A boolean mask (accelerators: no [B, T, S] float32 bias) goes through the `where`.
+    logits = logits.reshape(B, K, T, M // T, -1)
+    if bias_bts.dtype == jnp.bool_:
+        logits = jnp.where(bias_bts[:, None, :, None, :], logits, MASKED)
+    else:
+        logits = logits + bias_bts[:, None, :, None, :]
     probs = jax.nn.softmax(logits, axis=-1).reshape(B, K, M, -1)
     out = einsum_f32("bkms,bksh->bkmh", probs, v_bksh, dtype)
     return out, (q_bkmh, k_bksh, v_bksh, probs, out, tanh)

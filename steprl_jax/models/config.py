@@ -25,6 +25,9 @@ _MODEL_TYPES = {
     "gemma3": "gemma3",
 }
 
+# Attention implementations (models/fused_attention.py says what each runs).
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "tpu", "tpu_interpret", "gpu")
+
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
@@ -73,6 +76,7 @@ class ModelConfig:
     # One entry per layer: True for a sliding-window (local) layer.
     sliding_layers: tuple = ()
     compute_dtype: str = "float32"  # "float32" (exact) or "bfloat16" (bf16 in, f32 accumulate)
+    attention: str = "auto"  # ATTENTION_IMPLEMENTATIONS; "auto": fused kernels on TPU/GPU, "xla" on CPU
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple = ()
     pad_token_id: Optional[int] = None
@@ -88,6 +92,8 @@ class ModelConfig:
             raise ConfigError(f"unsupported activation {self.activation!r}")
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"compute_dtype must be float32 or bfloat16, got {self.compute_dtype!r}")
+        if self.attention not in ATTENTION_IMPLEMENTATIONS:
+            raise ConfigError(f"attention must be one of {ATTENTION_IMPLEMENTATIONS}, got {self.attention!r}")
         if self.sliding_layers and len(self.sliding_layers) != self.num_layers:
             raise ConfigError("sliding_layers must have one entry per layer")
         if any(self.sliding_layers) and not self.sliding_window:

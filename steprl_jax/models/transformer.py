@@ -26,7 +26,9 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from steprl_jax.models.config import ModelConfig, RopeConfig
+from steprl_jax.models import fused_attention
 from steprl_jax.models.attention import MASKED, attention, causal_attention, tree_mask
+from steprl_jax.ops.tree_attention import TreeRows
 from steprl_jax.ops.matmul import projection
 from steprl_jax.models import lora
 
@@ -238,9 +240,18 @@ class Transformer(nnx.Module):
             node_bt = jnp.asarray(branch_ids_bt, jnp.int32)
             end_bt = (jnp.where(node_bt == 0, jnp.iinfo(jnp.int32).max, node_bt + 1) if branch_ends_bt is None
                       else jnp.asarray(branch_ends_bt, jnp.int32))
-        mask_bts = tree_mask(jnp, valid_bt, segments_bt, node_bt, end_bt)
         x = self._embed(input_ids_bt)
-        x = self._run_layers(x, positions_bt, mask_bts, positions_bt, remat, key_blocks_bqm)
+        impl = fused_attention.resolve(self.config.attention)
+        if fused_attention.takes(impl, node_bt is not None, segment_ids_bt is not None,
+                                 self.config.attn_logit_softcap):
+            # A fused kernel builds the mask from these [B, T] arrays, tile by tile.
+            no_tree = node_bt is None
+            rows = TreeRows(valid_bt, segments_bt, jnp.zeros((B, T), jnp.int32) if no_tree else node_bt,
+                            jnp.full((B, T), jnp.iinfo(jnp.int32).max) if no_tree else end_bt, positions_bt)
+            x = self._run_layers_fused(x, positions_bt, rows, impl, not no_tree, remat)
+        else:
+            mask_bts = tree_mask(jnp, valid_bt, segments_bt, node_bt, end_bt)
+            x = self._run_layers(x, positions_bt, mask_bts, positions_bt, remat, key_blocks_bqm)
         return self._final_norm(x)
 
     def extend(self, input_ids_bt, positions_bt, cache: KVCache, layer_params: Optional[tuple] = None):
@@ -294,18 +305,27 @@ class Transformer(nnx.Module):
     def _final_norm(self, x):
         return _rms_norm(x, self.final_norm.get_value(), self.config.rms_norm_eps, self.config.norm_plus_one)
 
+    def _ropes(self, q_pos_bt):
+        """(global, local) (cos, sin): Gemma 3's sliding layers have their own rope base."""
+        c = self.config
+        return (rope_tables(q_pos_bt, c.rope, c.head_dim), rope_tables(q_pos_bt, c.local_rope or c.rope, c.head_dim))
+
     def _masks_and_ropes(self, q_pos_bt, mask_bts, key_pos_bs):
         """(global, local) variants of (cos, sin, attention bias [B, T, S]): Gemma's sliding
-        layers differ. The mask becomes an additive bias (0 or MASKED) once, here: on XLA:CPU a
-        `where` over the attention logits in every layer cost more than the attention matmuls."""
+        layers differ. On the "xla" path the mask becomes an additive float32 bias (0 or MASKED)
+        once, here: on XLA:CPU a `where` over the attention logits in every layer cost more than
+        the attention matmuls. On accelerators it stays boolean (a quarter of the bytes; the
+        `where` fuses into the softmax)."""
         c = self.config
-        cos_g, sin_g = rope_tables(q_pos_bt, c.rope, c.head_dim)
-        cos_l, sin_l = rope_tables(q_pos_bt, c.local_rope or c.rope, c.head_dim)
+        (cos_g, sin_g), (cos_l, sin_l) = self._ropes(q_pos_bt)
         window_mask = mask_bts
         if c.sliding_window:
             # Hugging Face: a key is visible when q_pos - k_pos < sliding_window.
             window_mask = mask_bts & (q_pos_bt[:, :, None] - key_pos_bs[:, None, :] < c.sliding_window)
-        bias = lambda m: jnp.where(m, jnp.float32(0), jnp.float32(MASKED))  # noqa: E731
+        if fused_attention.resolve(c.attention) == "xla":
+            bias = lambda m: jnp.where(m, jnp.float32(0), jnp.float32(MASKED))  # noqa: E731
+        else:
+            bias = lambda m: m  # noqa: E731
         return (cos_g, sin_g, bias(mask_bts)), (cos_l, sin_l, bias(window_mask))
 
     def _run_layers(self, x, q_pos_bt, mask_bts, key_pos_bs, remat: Optional[str] = None, key_blocks=None):
@@ -319,6 +339,35 @@ class Transformer(nnx.Module):
             p = self.layers.layer_weights(p)  # LoRA: merged one layer at a time
             cos, sin, bias = (jnp.where(is_sliding, l_, g_) for l_, g_ in zip(local, global_))
             h, _ = _decoder_layer(c, dtype, p, h, cos, sin, bias, None, key_blocks)
+            return h, None
+
+        if remat is not None:
+            layer = jax.checkpoint(layer, policy=remat_policy(remat), prevent_cse=False)
+        x, _ = jax.lax.scan(layer, x, (self.layers.stacked(), jnp.asarray(c.layer_is_sliding)))
+        return x
+
+    def _run_layers_fused(self, x, q_pos_bt, rows: TreeRows, impl: str, tree: bool, remat: Optional[str] = None):
+        """All layers under `lax.scan`, attention by a fused kernel (`models.fused_attention`).
+        Gemma's sliding layers pick the windowed kernel with a `lax.cond` (the window is part
+        of a kernel's static mask)."""
+        c = self.config
+        dtype = jnp.dtype(c.compute_dtype)
+        global_, local = self._ropes(q_pos_bt)
+        attend = functools.partial(fused_attention.attend, rows=rows, impl=impl, tree=tree, scale=c.attn_scale,
+                                   softcap=c.attn_logit_softcap)
+        sliding = any(c.layer_is_sliding)
+
+        def layer(h, xs):
+            p, is_sliding = xs
+            p = self.layers.layer_weights(p)  # LoRA: merged one layer at a time
+            cos, sin = (jnp.where(is_sliding, l_, g_) for l_, g_ in zip(local, global_))
+            if sliding:
+                fused = lambda q, k, v: jax.lax.cond(  # noqa: E731
+                    is_sliding, functools.partial(attend, window=c.sliding_window),
+                    functools.partial(attend, window=None), q, k, v)
+            else:
+                fused = functools.partial(attend, window=None)
+            h, _ = _decoder_layer(c, dtype, p, h, cos, sin, None, None, fused=fused)
             return h, None
 
         if remat is not None:
@@ -398,11 +447,12 @@ def _write_slots(buf_bksh, new_bkth, index):
     return bits(out, buf_bksh.dtype)
 
 
-def _decoder_layer(c: ModelConfig, dtype, p: dict, x, cos, sin, bias_bts, cached, key_blocks=None):
+def _decoder_layer(c: ModelConfig, dtype, p: dict, x, cos, sin, bias_bts, cached, key_blocks=None, fused=None):
     """One layer. `cached` is None (attend over the T tokens themselves) or this layer's cache
     (k, v buffers [B, K, S, H], index): the new keys and values are written at slots
     [index, index + T) first, then the queries attend over all S slots. Writing before reading
     lets XLA update the buffers in place (a read of the old buffer would force a copy).
+    `fused` (q, k, v [B, T, *, H]) -> [B, T, N, H] replaces the full-sequence attention.
 
     Returns (new x, updated (k, v) buffers or None)."""
     eps, plus_one = c.rms_norm_eps, c.norm_plus_one
@@ -418,7 +468,10 @@ def _decoder_layer(c: ModelConfig, dtype, p: dict, x, cos, sin, bias_bts, cached
     q = _apply_rope(q, cos, sin)
     k = _apply_rope(k, cos, sin)
     attend = dict(scale=c.attn_scale, softcap=c.attn_logit_softcap, dtype=dtype)
-    if cached is None:
+    if fused is not None:
+        kv = None
+        attn = fused(q.astype(dtype), k.astype(dtype), v.astype(dtype))  # [B, T, N, H]
+    elif cached is None:
         kv = None
         attn = causal_attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), bias_bts, **attend,
                                 key_blocks=key_blocks)
@@ -431,7 +484,7 @@ def _decoder_layer(c: ModelConfig, dtype, p: dict, x, cos, sin, bias_bts, cached
     # A plain [B*T, N*H] x [N*H, D] matmul on the row-major weight (a free reshape): with an
     # einsum over (n, h), XLA:CPU chose to transpose the weight instead, a copy at every step.
     B, T, N, H = q.shape
-    attn = attn.transpose(0, 2, 1, 3, 4).reshape(B * T, N * H)
+    attn = (attn if fused is not None else attn.transpose(0, 2, 1, 3, 4)).reshape(B * T, N * H)
     out = _saveable(projection("bm,md->bd", attn, p["o"].reshape(N * H, -1), dtype)).reshape(B, T, -1)
     if c.sandwich_norms:
         out = _rms_norm(out, p["attn_out_norm"], eps, plus_one)

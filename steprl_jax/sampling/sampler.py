@@ -70,6 +70,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from steprl_jax.models.fused_attention import traced_under
 from steprl_jax.models.sharding import LOGICAL_AXIS_RULES, state_shardings
 from steprl_jax.models.transformer import KVCache, Transformer
 from steprl_jax.ops.logprobs import scaled_logits, stats_from_scaled_logits
@@ -384,9 +385,9 @@ class Sampler:
         else:
             self._dp = 1
             constrain = _identity
-        self._extend_jit = jax.jit(functools.partial(_extend_impl, self._graphdef, constrain),
+        self._extend_jit = jax.jit(traced_under(mesh, functools.partial(_extend_impl, self._graphdef, constrain)),
                                    static_argnames="program", donate_argnames="cache")
-        self._decode_jit = jax.jit(functools.partial(_decode_impl, self._graphdef, constrain),
+        self._decode_jit = jax.jit(traced_under(mesh, functools.partial(_decode_impl, self._graphdef, constrain)),
                                    static_argnames="program", donate_argnames="cache")
         self._take_rows_jit = jax.jit(functools.partial(_take_rows_impl, constrain))
         self._resize_jit = jax.jit(functools.partial(_resize_impl, constrain), static_argnums=0)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from steprl_jax.models.fused_attention import traced_under
 from steprl_jax.models.sharding import LOGICAL_AXIS_RULES, batch_sharding
 from steprl_jax.ops import losses
 from steprl_jax.training.batch import Batch
@@ -177,7 +178,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, cfg: TrainStepCo
         raise ValueError("a mesh needs state_shardings (from create_train_state)")
     replicated = NamedSharding(mesh, PartitionSpec())
     batch_sh = batch_sharding(mesh, rules)
-    return jax.jit(step, in_shardings=(state_shardings, batch_sh),
+    return jax.jit(traced_under(mesh, step), in_shardings=(state_shardings, batch_sh),
                    out_shardings=(state_shardings, replicated), donate_argnums=0)
 
 
@@ -199,4 +200,4 @@ def make_logprob_fn(graphdef, *, temperature: float = 1.0, chunk_size: Optional[
                                  loss_mask_bt=loss_mask)
     if mesh is None:
         return jax.jit(fn)
-    return jax.jit(fn, out_shardings=batch_sharding(mesh, rules))
+    return jax.jit(traced_under(mesh, fn), out_shardings=batch_sharding(mesh, rules))
