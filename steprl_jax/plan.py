@@ -1,20 +1,18 @@
-"""Will it fit? A memory plan before the run, from XLA's own analysis of the compiled step.
+"""Will it fit? Every program of a run compiled for the target's chips, before the run.
 
-    python -m steprl_jax.plan --model qwen2.5-7b --mesh fsdp=16,tensor=1 --batch 16 --length 4096 \\
-        [--dtype bfloat16] [--remat qkvo_saveable] [--microbatches 1] [--max-microbatch-tokens N] \\
-        [--decode-batch 64 --context 8192 --sampler-mesh tensor=4] [--lora-rank 16] [--json PATH]
+    python -m steprl_jax.plan --target v5p-16 --model qwen2.5-7b --batch 8 --length 8192 \\
+        [--lora-rank 16] [--decode-batch 64 --context 8192] [--kl] [--json PATH]
+    python -m steprl_jax.plan --target v5e-8 --preset portool-qwen2.5-7b-lora
+    python -m steprl_jax.plan --target cpu-4 --model llama-3.2-1b --batch 4 --length 64
 
-Builds the train state with the preset's real shapes and no weights (abstract arrays), places it
-on a mesh of that many devices by the rules table, lowers and compiles the train step ahead of
-time (on this machine: virtual CPU devices stand in for the chips) and reads the per-device bytes
-from XLA's memory analysis: arguments (parameters, optimizer state, batch), outputs, donated
-buffers and temporaries (activations kept for the backward pass, gradients, logits chunks). The
-sampler's share (its copy of the weights in the compute dtype and the KV cache of `decode-batch`
-rows of `context` tokens, over the sampler's own mesh on one host) is added from shapes. The
-verdict compares the sum with each chip's memory.
-
-CPU compilation is a stand-in: XLA's TPU and GPU compilers fuse differently, so read the figures as
-the order of magnitude (typically within tens of percent), not to the last megabyte.
+With libtpu installed (`pip install -e ".[tpu]"`, works on any Linux host) a TPU target compiles
+on libtpu's compile-only devices: the real TPU compiler, Pallas/Mosaic kernels included, and the
+figures are that compiler's (per chip). `cpu-N` compiles on N virtual CPU devices, a stand-in
+whose figures are the order of magnitude only (XLA:CPU fuses differently and runs the "xla"
+attention path). Programs: see `planning/programs.py`. The roofline time of each program is an
+estimate, labelled as one: max(flops / peak bf16 rate, bytes accessed / HBM bandwidth) per chip,
+from the compiler's cost analysis and the chip's published figures (`planning/targets.py`).
+Fused kernels (Pallas custom calls) report the flops they declare.
 """
 from __future__ import annotations
 
@@ -23,160 +21,169 @@ import os
 import sys
 
 GIB = 1 << 30
-CHIPS = {"v5e": 16 * GIB, "v5p": 95 * GIB, "h100": 80 * GIB, "h200": 141 * GIB}
-AXES = ("data", "fsdp", "tensor")
 
 
-def parse_mesh(text: str) -> dict:
-    """"fsdp=16,tensor=1" -> {"data": 1, "fsdp": 16, "tensor": 1}."""
-    sizes = dict.fromkeys(AXES, 1)
+def _devices(target):
+    """(all devices, one host's devices) for the target."""
+    import jax
+
+    from steprl_jax.planning import targets
+
+    if target.platform == "tpu":
+        devs = targets.devices(target)
+        host = [d for d in devs if d.process_index == devs[0].process_index]
+        return devs, host
+    devs = jax.devices()[: target.chips]
+    if len(devs) < target.chips:
+        raise ValueError(f"--target {target.name}: {target.chips} devices needed, this process has {len(devs)}")
+    return devs, devs[: min(len(devs), 8)]
+
+
+def plan(target_name: str, setup, programs: set = frozenset()) -> dict:
+    """Compile `setup` (planning.programs.Setup) for the target; the plan as a dict."""
+    import dataclasses
+
+    from steprl_jax.planning import targets
+    from steprl_jax.planning.programs import compile_run
+
+    target = targets.target(target_name)
+    if target.chip.kind in ("h100", "h200"):
+        raise ValueError(f"--target {target_name}: GPU programs do not compile without a GPU here "
+                         "(the CUDA plugin offers no compile-only devices); use a TPU or cpu target")
+    if target.platform == "tpu":
+        why = targets.libtpu_available()
+        if why:
+            raise ValueError(f"--target {target_name}: {why}; or use --target cpu-{target.chips}")
+        if setup.attention == "auto":
+            setup = dataclasses.replace(setup, attention="tpu")
+    elif setup.attention == "auto":
+        setup = dataclasses.replace(setup, attention="xla")
+    devices, host = _devices(target)
+    result = compile_run(setup, devices, host, programs=set(programs) or None)
+    chip = target.chip
+    result["target"] = {"name": target.name, "chip": chip.kind, "chips": target.chips, "hosts": target.hosts,
+                        "topology": target.topology or f"{target.chips} virtual CPU devices",
+                        "compiler": "TPU (libtpu, compile-only devices)" if target.platform == "tpu"
+                        else "XLA:CPU stand-in (order of magnitude only)",
+                        "hbm_per_chip": chip.hbm}
+    for name, fig in result["programs"].items():
+        if chip.bf16_flops:
+            fig["roofline_seconds"] = max(fig["flops"] / chip.bf16_flops, fig["bytes_accessed"] / chip.hbm_bandwidth)
+    peak = result["phases"]["peak"]
+    result["fits"] = bool(chip.hbm and peak <= chip.hbm)
+    result["used"] = round(peak / chip.hbm, 3) if chip.hbm else None
+    return result
+
+
+def _print(r: dict) -> None:
+    g = lambda b: f"{b / GIB:7.2f} GiB"  # noqa: E731
+    s, t = r["setup"], r["target"]
+    print(f"{s['model']}: {r['parameters'] / 1e9:.2f}B parameters"
+          + (f" + LoRA rank {s['lora_rank']} ({r['trainable_parameters'] / 1e6:.1f}M trained)" if s["lora_rank"]
+             else " (full fine-tuning)")
+          + f"; {s['batch']} {'tree' if s['tree'] else 'plain'} rows x {s['length']} tokens, {s['dtype']}, "
+          f"attention {r['attention']}")
+    print(f"target {t['name']}: {t['chips']} x {t['chip']} ({t['topology']}, {t['hosts']} host(s)); "
+          f"compiled by {t['compiler']}; trainer mesh {r['mesh']}"
+          + (f", sampler mesh {r['sampler_mesh']} per host" if "sampler_mesh" in r else ""))
+    print(f"  {'program':<11}{'compile':>9}{'arguments':>13}{'temporaries':>13}{'peak':>13}"
+          f"{'TFLOP':>9}{'GB accessed':>12}{'roofline (estimate)':>21}")
+    for name, f in r["programs"].items():
+        roof = f"{f['roofline_seconds'] * 1e3:10.1f} ms" if "roofline_seconds" in f else ""
+        print(f"  {name:<11}{f['compile_seconds']:>8.1f}s{g(f['arguments']):>13}{g(f['temporaries']):>13}"
+              f"{g(f['peak']):>13}{f['flops'] / 1e12:>9.2f}{f['bytes_accessed'] / 1e9:>12.2f}{roof:>21}")
+    res = r["train_resident"]
+    print(f"  resident: trainer parameters {g(res['parameters'])}, optimizer state {g(res['optimizer_state'])}"
+          + "".join(f", sampler {k} {g(v)}" for k, v in r.get("sampler_resident", {}).items()))
+    print("  per chip by phase: " + ", ".join(f"{k} {g(v).strip()}" for k, v in r["phases"].items()))
+    hbm = t["hbm_per_chip"]
+    if hbm:
+        print(f"  {t['chip']} has {hbm / GIB:.0f} GiB per chip: "
+              f"{'fits' if r['fits'] else 'does NOT fit'} ({r['used']:.0%})")
+
+
+def _sizes(text: str, flag: str) -> tuple:
+    from steprl_jax.planning.programs import AXES
+
+    out = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, _, value = part.partition("=")
-        if name not in sizes or not value.isdigit() or int(value) < 1:
-            raise ValueError(f"--mesh: {part!r} is not AXIS=N with AXIS in {AXES} and N >= 1")
-        sizes[name] = int(value)
-    return sizes
+        if name not in AXES or not value.isdigit():
+            raise ValueError(f"{flag}: {part!r} is not AXIS=N with AXIS in {AXES} (N = 0: the devices left)")
+        out.append((name, int(value)))
+    return tuple(out)
 
 
-def _bytes_per_device(tree, shardings) -> int:
-    import jax
-    import numpy as np
+def parse(argv=None):
+    from steprl_jax.planning import presets
 
-    total = 0
-    for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
-        total += int(np.prod(s.shard_shape(x.shape))) * x.dtype.itemsize
-    return total
+    p = argparse.ArgumentParser(prog="python -m steprl_jax.plan", description=__doc__.split("\n")[0])
+    p.add_argument("--target", default="cpu-8", help="v5e-8, v5litepod-16, v5p-16, v6e-8, v4-8, ... or cpu-N")
+    p.add_argument("--preset", default="", help=f"a paper's set-up: {', '.join(presets.PRESETS)}")
+    p.add_argument("--model", default="", help="a model preset (steprl_jax.models.presets)")
+    p.add_argument("--mesh", default="", help="trainer mesh, e.g. fsdp=0 (0: every device left), data=2,fsdp=0")
+    p.add_argument("--batch", type=int, help="packed rows per train step (default: one per chip)")
+    p.add_argument("--length", type=int, help="tokens per row")
+    p.add_argument("--rows", choices=("tree", "plain"), help="tree rows (branches) or plain causal rows")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), help="compute dtype")
+    p.add_argument("--attention", choices=("auto", "xla", "tpu"), help="auto: the target's fused kernels")
+    p.add_argument("--remat", help="rematerialisation policy ('' for none)")
+    p.add_argument("--microbatches", type=int)
+    p.add_argument("--max-microbatch-tokens", type=int)
+    p.add_argument("--decode-batch", type=int, help="sampler rows per host (0: no sampler programs)")
+    p.add_argument("--context", type=int, help="sampler context (cache slots)")
+    p.add_argument("--sampler-mesh", default="", help="the sampler's mesh over one host's chips, e.g. tensor=0")
+    p.add_argument("--lora-rank", type=int, help="train LoRA adapters of this rank (0: every weight)")
+    p.add_argument("--kl", action="store_true", default=None, help="the run has a KL term: compile the reference")
+    p.add_argument("--programs", default="", help="compile only these, e.g. train_step,decode (default: all)")
+    p.add_argument("--json", default="", help="write the plan here")
+    args = p.parse_args(argv)
+    known = ("train_step", "reference", "transfer", "prefill", "decode", "fork")
+    args.programs = set(filter(None, args.programs.split(",")))
+    if args.programs - set(known):
+        p.error(f"--programs: {', '.join(sorted(args.programs - set(known)))} not among {', '.join(known)}")
+    if not args.preset and not args.model:
+        p.error("give --model or --preset")
+    try:
+        base = presets.preset(args.preset) if args.preset else presets.Setup(model=args.model)
+        changes = {k: v for k, v in dict(
+            model=args.model or None, batch=args.batch, length=args.length,
+            tree=None if args.rows is None else args.rows == "tree", dtype=args.dtype, attention=args.attention,
+            remat=args.remat, microbatches=args.microbatches, max_microbatch_tokens=args.max_microbatch_tokens,
+            decode_batch=args.decode_batch, context=args.context, lora_rank=args.lora_rank, kl=args.kl,
+            mesh=_sizes(args.mesh, "--mesh") if args.mesh else None,
+            sampler_mesh=_sizes(args.sampler_mesh, "--sampler-mesh") if args.sampler_mesh else None).items()
+            if v is not None}
+        import dataclasses
 
+        from steprl_jax.models.presets import HF_CONFIGS
+        from steprl_jax.planning import targets
 
-def plan(model: str, mesh_sizes: dict, batch: int, length: int, *, dtype: str = "bfloat16",
-         remat: str = "qkvo_saveable", microbatches: int = 1, max_microbatch_tokens: int = 0, decode_batch: int = 0, context: int = 0,
-         sampler_mesh: dict | None = None, lora_rank: int = 0) -> dict:
-    """The plan as a dict (see the module docstring); needs prod(mesh) devices."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    import optax
-    from flax import nnx
-    from jax.sharding import Mesh
-
-    from steprl_jax.models import lora
-    from steprl_jax.models.presets import preset
-    from steprl_jax.models.sharding import LOGICAL_AXIS_RULES
-    from steprl_jax.models.transformer import Transformer
-    from steprl_jax.training import LossConfig, TrainStepConfig, make_train_step
-    from steprl_jax.training.batch import Batch
-    from steprl_jax.training.state import TrainState, split_model, train_state_shardings
-
-    n = int(np.prod(list(mesh_sizes.values())))
-    if jax.device_count() < n:
-        raise ValueError(f"the mesh {mesh_sizes} needs {n} devices; this process has {jax.device_count()}")
-    mesh = Mesh(np.asarray(jax.devices()[:n]).reshape([mesh_sizes[a] for a in AXES]), AXES)
-    cfg = preset(model, compute_dtype=dtype)
-    def build():
-        model = Transformer(cfg, rngs=nnx.Rngs(0))
-        return lora.add_adapters(model, lora.LoraConfig(rank=lora_rank)) if lora_rank else model
-
-    abstract = nnx.eval_shape(build)
-    graphdef, params, rest = split_model(abstract)  # with LoRA: params = the adapters, rest = the base
-    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), params)
-    tx = optax.adamw(1e-6)
-    state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params, rest=rest,
-                       opt_state=jax.eval_shape(tx.init, params), rng=jax.ShapeDtypeStruct((2,), jnp.uint32))
-    shardings = train_state_shardings(state, mesh, LOGICAL_AXIS_RULES)
-    count = lambda t: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(t))
-    trainable_count = count(params)
-    base_count = count(nnx.state(abstract, lora.Frozen)) if lora_rank else trainable_count
-    step = make_train_step(graphdef, tx, TrainStepConfig(loss=LossConfig(kind="policy", agg="token_mean"),
-                                                         num_microbatches=microbatches, remat=remat or None,
-                                                         max_microbatch_tokens=max_microbatch_tokens),
-                           mesh=mesh, state_shardings=shardings)
-    bt = lambda dt: jax.ShapeDtypeStruct((batch, length), dt)
-    rows = Batch(tokens=bt(jnp.int32), loss_mask=bt(jnp.float32), advantages=bt(jnp.float32),
-                 old_logp=bt(jnp.float32), attention_mask=bt(jnp.int32))
-    compiled = step.lower(state, rows).compile()
-    memory = compiled.memory_analysis()
-    unwrap = lambda t: jax.tree.map(lambda v: v.get_value() if isinstance(v, nnx.Variable) else v, t,
-                                    is_leaf=lambda v: isinstance(v, nnx.Variable))
-    param_bytes = _bytes_per_device(unwrap(state.params), unwrap(shardings.params))
-    opt_bytes = _bytes_per_device(unwrap(state.opt_state), unwrap(shardings.opt_state))
-    frozen_bytes = _bytes_per_device(unwrap(state.rest), unwrap(shardings.rest))
-    train = {"arguments": int(memory.argument_size_in_bytes), "outputs": int(memory.output_size_in_bytes),
-             "donated": int(memory.alias_size_in_bytes), "temporaries": int(memory.temp_size_in_bytes),
-             "parameters": param_bytes + frozen_bytes, "trainable": param_bytes, "optimizer_state": opt_bytes}
-    train["peak"] = train["arguments"] + train["outputs"] - train["donated"] + train["temporaries"]
-
-    sampler = {}
-    if decode_batch and context:
-        s = {**dict.fromkeys(AXES, 1), **(sampler_mesh or {})}
-        itemsize = jnp.dtype(dtype).itemsize
-        weights = base_count * itemsize
-        kv = 2 * cfg.num_layers * decode_batch * context * cfg.num_kv_heads * cfg.head_dim * itemsize
-        kv_split = s["data"] * s["fsdp"] * (s["tensor"] if cfg.num_kv_heads % s["tensor"] == 0 else 1)
-        sampler = {"weights": weights // s["tensor"], "kv_cache": kv // kv_split, "mesh": s}
-    total = train["peak"] + sampler.get("weights", 0) + sampler.get("kv_cache", 0)
-    return {"model": model, "parameters": base_count, "trainable_parameters": trainable_count, "lora_rank": lora_rank,
-            "mesh": mesh_sizes, "devices": n, "batch": batch, "length": length, "dtype": dtype, "remat": remat,
-            "microbatches": microbatches,
-            "max_microbatch_tokens": max_microbatch_tokens, "train_per_device": train, "sampler_per_device": sampler,
-            "total_per_device": total,
-            "fits": {chip: {"hbm": hbm, "fits": total <= hbm, "used": round(total / hbm, 3)}
-                     for chip, hbm in CHIPS.items()},
-            "backend": jax.default_backend()}
-
-
-def _print(result: dict) -> None:
-    g = lambda b: f"{b / GIB:8.2f} GiB"
-    print(f"{result['model']}: {result['parameters'] / 1e9:.2f}B parameters"
-          + (f" + LoRA rank {result['lora_rank']} ({result['trainable_parameters'] / 1e6:.1f}M trained)"
-             if result["lora_rank"] else "") + f"; mesh {result['mesh']} "
-          f"({result['devices']} devices, compiled on {result['backend']}); batch {result['batch']} x "
-          f"{result['length']} tokens, {result['dtype']}, remat {result['remat']}")
-    t = result["train_per_device"]
-    print("train step, per device:")
-    for key in ("parameters", "trainable", "optimizer_state", "arguments", "outputs", "donated", "temporaries",
-                "peak"):
-        print(f"  {key:<16}{g(t[key])}")
-    s = result["sampler_per_device"]
-    if s:
-        print(f"sampler, per device (mesh {s['mesh']}):")
-        print(f"  {'weights':<16}{g(s['weights'])}\n  {'kv_cache':<16}{g(s['kv_cache'])}")
-    print(f"total per device: {g(result['total_per_device'])}")
-    for chip, v in result["fits"].items():
-        print(f"  {chip:<6}{v['hbm'] / GIB:5.0f} GiB: {'fits' if v['fits'] else 'does NOT fit'} ({v['used']:.0%})")
+        target = targets.target(args.target)
+        changes.setdefault("batch", target.chips)  # one row per chip per step unless told
+        setup = dataclasses.replace(base, **changes)
+        if setup.model not in HF_CONFIGS:
+            raise ValueError(f"--model: unknown preset {setup.model!r}; presets: {', '.join(sorted(HF_CONFIGS))}")
+    except (ValueError, KeyError) as e:
+        p.error(str(e).strip("'\""))
+    return args, setup, target
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m steprl_jax.plan", description=__doc__.split("\n")[0])
-    p.add_argument("--model", required=True, help="a preset (steprl_jax.models.presets)")
-    p.add_argument("--mesh", default="fsdp=8", help="trainer mesh, e.g. fsdp=16,tensor=1")
-    p.add_argument("--batch", type=int, default=8, help="packed rows per train step")
-    p.add_argument("--length", type=int, default=4096, help="tokens per row")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="compute dtype")
-    p.add_argument("--remat", default="qkvo_saveable", help="rematerialisation policy ('' for none)")
-    p.add_argument("--microbatches", type=int, default=1)
-    p.add_argument("--max-microbatch-tokens", type=int, default=0,
-                   help="padded tokens per micro-batch and data shard (0: exactly --microbatches)")
-    p.add_argument("--decode-batch", type=int, default=0, help="sampler rows (0: no sampler)")
-    p.add_argument("--context", type=int, default=0, help="sampler context length")
-    p.add_argument("--sampler-mesh", default="", help="sampler mesh over one host's devices, e.g. tensor=4")
-    p.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (0: every weight)")
-    p.add_argument("--json", default="", help="write the plan here")
-    args = p.parse_args(argv)
-    mesh = parse_mesh(args.mesh)
-    sampler_mesh = parse_mesh(args.sampler_mesh) if args.sampler_mesh else None
-    n = 1
-    for v in mesh.values():
-        n *= v
-    if "jax" not in sys.modules and os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
+    args, setup, target = parse(argv)
+    if "jax" not in sys.modules and target.platform == "cpu":
         # virtual CPU devices stand in for the chips (set before JAX starts)
         os.environ["JAX_PLATFORMS"] = "cpu"
         flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
                  if not f.startswith("--xla_force_host_platform_device_count")]
-        os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
-    result = plan(args.model, mesh, args.batch, args.length, dtype=args.dtype, remat=args.remat,
-                  microbatches=args.microbatches,
-                  max_microbatch_tokens=args.max_microbatch_tokens, decode_batch=args.decode_batch, context=args.context,
-                  sampler_mesh=sampler_mesh, lora_rank=args.lora_rank)
+        os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={target.chips}"])
+    elif target.platform == "tpu":
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the host runs nothing; libtpu only compiles
+    try:
+        result = plan(args.target, setup, args.programs)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     _print(result)
     if args.json:
         from steprl_jax.evaluation.metrics import write_json_atomic

@@ -121,6 +121,46 @@ class SamplerState:
         return self.cache.bytes()
 
 
+def is_matmul_weight(path) -> bool:
+    """Whether the parameter at `path` (a pytree key path) is only a matmul operand, kept by
+    the sampler in the compute dtype."""
+    names = [getattr(p, "key", getattr(p, "name", None)) for p in path]
+    return "layers" in names and names[-1] in _MATMUL_WEIGHTS or names[-1] == "lm_head"
+
+
+# ----------------------------------------------------------------------------- sharding
+def _batch_axes(mesh, rules: dict):
+    axes = rules["batch"]
+    axes = (axes,) if isinstance(axes, str) else tuple(a for a in axes if a in mesh.shape)
+    return (axes if len(axes) > 1 else axes[0]) if axes else None, axes
+
+
+def data_parallel(mesh, rules: dict = LOGICAL_AXIS_RULES) -> int:
+    """How many ways the sampler's rows split over `mesh` (batch buckets are multiples of it)."""
+    axes = _batch_axes(mesh, rules)[1]
+    return int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+
+
+def cache_shardings(mesh, rules: dict, num_kv_heads: int) -> tuple:
+    """(rows [B], rows [B, S], kv buffers [B, K, S, H], scalars) on the sampler's `mesh`: rows
+    over the batch axes, kv heads over the rules' kv-heads axis when it divides them (a
+    tensor-parallel sampler keeps 1/tensor of the cache per device, not a full copy)."""
+    batch, _ = _batch_axes(mesh, rules)
+    heads = rules.get("kv_heads")
+    heads = heads if isinstance(heads, str) and heads in mesh.shape and mesh.shape[heads] > 1 else None
+    heads = heads if heads and num_kv_heads % mesh.shape[heads] == 0 else None
+    return (NamedSharding(mesh, PartitionSpec(batch)), NamedSharding(mesh, PartitionSpec(batch, None)),
+            NamedSharding(mesh, PartitionSpec(batch, heads, None, None)), NamedSharding(mesh, PartitionSpec()))
+
+
+def constrain_cache(shardings: tuple, cache: KVCache) -> KVCache:
+    """`cache` constrained to `cache_shardings` (inside the jitted programs)."""
+    _, row2, kv, _ = shardings
+    wsc = jax.lax.with_sharding_constraint
+    return KVCache(tuple(wsc(k, kv) for k in cache.k), tuple(wsc(v, kv) for v in cache.v),
+                   wsc(cache.slot_pos, row2), cache.index)
+
+
 # ----------------------------------------------------------------------------- jitted kernels
 def _extend_impl(graphdef, constrain, params, layer_params, cache, ids_bt, pos_bt, *, program: ExtendProgram):
     model = nnx.merge(graphdef, params)
@@ -373,15 +413,9 @@ class Sampler:
         self._programs: set = set()
         # Sharding of batch-major arrays.
         if mesh is not None:
-            axes = rules["batch"]
-            axes = (axes,) if isinstance(axes, str) else tuple(a for a in axes if a in mesh.shape)
-            self._dp = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
-            batch_axes = (axes if len(axes) > 1 else axes[0]) if axes else None
-            self._row_sharding = NamedSharding(mesh, PartitionSpec(batch_axes))
-            self._row2_sharding = NamedSharding(mesh, PartitionSpec(batch_axes, None))
-            self._kv_sharding = NamedSharding(mesh, PartitionSpec(batch_axes, None, None, None))
-            self._scalar_sharding = NamedSharding(mesh, PartitionSpec())
-            constrain = self._constrain_cache
+            self._dp, sh = data_parallel(mesh, rules), cache_shardings(mesh, rules, self.config.num_kv_heads)
+            self._row_sharding, self._row2_sharding, self._kv_sharding, self._scalar_sharding = sh
+            constrain = functools.partial(constrain_cache, sh)
         else:
             self._dp = 1
             constrain = _identity
@@ -411,10 +445,7 @@ class Sampler:
         dtype = jnp.dtype(self.config.compute_dtype)
         if dtype != jnp.float32:
             def cast(path, x):
-                names = [getattr(p, "key", getattr(p, "name", None)) for p in path]
-                if "layers" in names and names[-1] in _MATMUL_WEIGHTS or names[-1] == "lm_head":
-                    return x.astype(dtype)
-                return x
+                return x.astype(dtype) if is_matmul_weight(path) else x
             state = jax.tree_util.tree_map_with_path(
                 lambda p, v: v.replace(cast(p, v.get_value())) if isinstance(v, nnx.Variable) else cast(p, v),
                 state, is_leaf=lambda v: isinstance(v, nnx.Variable))
@@ -436,12 +467,6 @@ class Sampler:
         if (kind, program) not in self._programs:
             self._programs.add((kind, program))
             log.debug("sampler: compiling %s program #%d: %s", kind, len(self._programs), program)
-
-    def _constrain_cache(self, cache: KVCache) -> KVCache:
-        wsc = jax.lax.with_sharding_constraint
-        return KVCache(tuple(wsc(k, self._kv_sharding) for k in cache.k),
-                       tuple(wsc(v, self._kv_sharding) for v in cache.v),
-                       wsc(cache.slot_pos, self._row2_sharding), cache.index)
 
     def _put_rows(self, x: np.ndarray):
         """Host batch-major array -> device, sharded over the batch axes when there is a mesh."""

@@ -174,6 +174,16 @@ def sampler_mesh(cfg) -> Optional[Mesh]:
     return mesh if mesh.size > 1 else None
 
 
+def host_split_spec(shape, n: int) -> PartitionSpec:
+    """On a ("process", "local") mesh: a whole copy per process, split over its n local devices
+    along the largest axis they divide (else whole)."""
+    dims = [d for d in np.argsort(shape)[::-1] if shape[d] % n == 0] if n > 1 else []
+    spec = [None] * len(shape)
+    if dims:
+        spec[int(dims[0])] = "local"
+    return PartitionSpec(*spec)
+
+
 class SamplerBridge:
     """Moves the trainer's parameters (global arrays on any mesh) to this process's sampler: a
     full copy on each process, placed by config.mesh.sampler (axis sizes over the local
@@ -195,15 +205,6 @@ class SamplerBridge:
         self._own = Mesh(np.asarray(groups[jax.process_index()], dtype=object), ("local",))
         self._reshard = {}
 
-    def _split_spec(self, shape) -> PartitionSpec:
-        """Split over the local devices along the largest axis they divide (else whole)."""
-        n = self._stacked.shape["local"]
-        dims = [d for d in np.argsort(shape)[::-1] if shape[d] % n == 0] if n > 1 else []
-        spec = [None] * len(shape)
-        if dims:
-            spec[int(dims[0])] = "local"
-        return PartitionSpec(*spec)
-
     def __call__(self, state):
         """A pytree of nnx Variables of global arrays -> the same on the sampler's devices."""
         from flax import nnx
@@ -219,7 +220,8 @@ class SamplerBridge:
             return jax.tree.map(lambda var, x: var.replace(x) if is_var(var) else x, state, out, is_leaf=is_var)
         key = jax.tree.structure(values)
         if key not in self._reshard:  # one program per parameter tree
-            out = jax.tree.map(lambda x: NamedSharding(self._stacked, self._split_spec(x.shape)), values)
+            n = self._stacked.shape["local"]
+            out = jax.tree.map(lambda x: NamedSharding(self._stacked, host_split_spec(x.shape, n)), values)
             self._reshard[key] = jax.jit(lambda x: x, out_shardings=out)
         moved = self._reshard[key](values)
 

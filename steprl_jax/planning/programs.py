@@ -1,0 +1,285 @@
+"""Every program a run compiles, built from shapes alone and compiled ahead of time.
+
+`compile_run(setup, devices)` lowers and compiles, with abstract arrays (no weights), the
+programs of one online iteration at the run's shapes:
+
+    train_step   the learner's update on `batch` packed rows of `length` tokens (tree rows:
+                 branches see their ancestors), full fine-tuning or LoRA
+    reference    the frozen reference's log-prob forward (when the run has a KL term)
+    transfer     trainer -> sampler: the reshard that gives every host a whole copy of the
+                 weights split over its own chips (`training.distributed.SamplerBridge`)
+    prefill      the sampler's `extend` of one prompt chunk into the KV cache
+    decode       the sampler's decode loop (`generate`), one chunk of new tokens
+    fork         a tree's fork: cache rows gathered (`Sampler.fork`)
+
+and reads from each compiled program XLA's memory analysis (per device: arguments, outputs,
+aliased/donated buffers, temporaries) and cost analysis (flops, bytes accessed). The trainer runs
+on every chip of the slice; the sampler on one host's chips (it holds a full copy per host).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Optional
+
+import numpy as np
+
+AXES = ("data", "fsdp", "tensor")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """One run's shapes. `mesh` / `sampler_mesh`: axis sizes (missing axes 1; fsdp 0: the rest)."""
+
+    model: str
+    batch: int = 8  # packed rows per train step (all micro-batches)
+    length: int = 4096  # tokens per row
+    tree: bool = True  # rows hold branches (PORTool trees, SWiRL's G actions, GRPO groups)
+    lora_rank: int = 0
+    microbatches: int = 1
+    max_microbatch_tokens: int = 0
+    remat: str = "qkvo_saveable"
+    dtype: str = "bfloat16"
+    attention: str = "auto"
+    kl: bool = False
+    mesh: tuple = (("fsdp", 0),)
+    sampler_mesh: tuple = (("tensor", 0),)  # over one host's chips
+    decode_batch: int = 0  # 0: no sampler programs
+    context: int = 0
+    prefill_chunk: int = 512
+    decode_chunk: int = 256
+
+
+def mesh_sizes(spec: tuple, devices: int) -> dict:
+    """{"data": d, "fsdp": f, "tensor": t} for `devices`, the one axis given as 0 taking the rest."""
+    sizes = {**dict.fromkeys(AXES, 1), **dict(spec)}
+    fill = [a for a, v in sizes.items() if v == 0]
+    fixed = int(np.prod([v for v in sizes.values() if v]))
+    if len(fill) > 1 or devices % fixed:
+        raise ValueError(f"mesh {dict(spec)} does not fit {devices} devices")
+    for a in fill:
+        sizes[a] = devices // fixed
+    if int(np.prod(list(sizes.values()))) != devices:
+        raise ValueError(f"mesh {sizes} needs {int(np.prod(list(sizes.values())))} devices; there are {devices}")
+    return sizes
+
+
+def _mesh(devices, sizes: dict):
+    from jax.sharding import Mesh
+
+    return Mesh(np.asarray(devices, dtype=object).reshape([sizes[a] for a in AXES]), AXES)
+
+
+def _figures(compiled, seconds: float) -> dict:
+    m = compiled.memory_analysis()
+    cost = compiled.cost_analysis() or {}
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    out = {"arguments": int(m.argument_size_in_bytes), "outputs": int(m.output_size_in_bytes),
+           "donated": int(m.alias_size_in_bytes), "temporaries": int(m.temp_size_in_bytes),
+           "flops": float(cost.get("flops", 0.0)), "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+           "compile_seconds": round(seconds, 1)}
+    out["peak"] = out["arguments"] + out["outputs"] - out["donated"] + out["temporaries"]
+    text = compiled.as_text() or ""
+    out["fused_kernels"] = text.count("tpu_custom_call") + text.count("__cudnn$fmha")
+    return out
+
+
+def _compile(jitted, *args, **kwargs) -> tuple:
+    start = time.perf_counter()
+    compiled = jitted.lower(*args, **kwargs).compile()
+    return compiled, time.perf_counter() - start
+
+
+def _bytes_per_device(values, shardings) -> int:
+    import jax
+
+    total = 0
+    for x, s in zip(jax.tree.leaves(values), jax.tree.leaves(shardings)):
+        total += int(np.prod(s.shard_shape(x.shape))) * x.dtype.itemsize
+    return total
+
+
+def _unwrap(tree):
+    import jax
+    from flax import nnx
+
+    is_var = lambda v: isinstance(v, nnx.Variable)  # noqa: E731
+    return jax.tree.map(lambda v: v.get_value() if is_var(v) else v, tree, is_leaf=is_var)
+
+
+def _with_shardings(values, shardings):
+    import jax
+
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), values, shardings)
+
+
+def compile_run(setup: Setup, devices, host_devices, *, programs: Optional[set] = None) -> dict:
+    """Compile `setup`'s programs: the trainer on `devices`, the sampler on `host_devices` (one
+    host's). Returns shapes, per-program figures and the per-device phases (see `phases`)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from steprl_jax.models import lora
+    from steprl_jax.models.presets import preset
+    from steprl_jax.models.sharding import LOGICAL_AXIS_RULES, batch_sharding, state_shardings
+    from steprl_jax.models.transformer import Transformer
+    from steprl_jax.training import LossConfig, TrainStepConfig, make_train_step
+    from steprl_jax.training.batch import Batch
+    from steprl_jax.training.state import TrainState, split_model, train_state_shardings
+    from steprl_jax.training.step import make_logprob_fn
+
+    wanted = programs or {"train_step", "reference", "transfer", "prefill", "decode", "fork"}
+    sizes = mesh_sizes(setup.mesh, len(devices))
+    mesh = _mesh(devices, sizes)
+    cfg = preset(setup.model, compute_dtype=setup.dtype, attention=setup.attention)
+
+    def build():
+        model = Transformer(cfg, rngs=nnx.Rngs(0))
+        return lora.add_adapters(model, lora.LoraConfig(rank=setup.lora_rank)) if setup.lora_rank else model
+
+    abstract = nnx.eval_shape(build)
+    graphdef, params, rest = split_model(abstract)  # with LoRA: params = the adapters, rest = the base
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), params)
+    tx = optax.adamw(1e-6)
+    state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params, rest=rest,
+                       opt_state=jax.eval_shape(tx.init, params), rng=jax.ShapeDtypeStruct((2,), jnp.uint32))
+    shardings = train_state_shardings(state, mesh, LOGICAL_AXIS_RULES)
+    count = lambda t: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(t))  # noqa: E731
+    result = {"setup": dataclasses.asdict(setup), "mesh": sizes, "devices": len(devices),
+              "parameters": count(nnx.state(abstract, lora.Frozen)) if setup.lora_rank else count(params),
+              "trainable_parameters": count(params), "attention": cfg.attention, "programs": {}}
+    resident = {"parameters": _bytes_per_device(_unwrap(state.params), _unwrap(shardings.params))
+                + _bytes_per_device(_unwrap(state.rest), _unwrap(shardings.rest)),
+                "trainable": _bytes_per_device(_unwrap(state.params), _unwrap(shardings.params)),
+                "optimizer_state": _bytes_per_device(_unwrap(state.opt_state), _unwrap(shardings.opt_state))}
+    result["train_resident"] = resident
+    B, L = setup.batch, setup.length
+    row = lambda dt: jax.ShapeDtypeStruct((B, L), dt)  # noqa: E731
+    tree = dict(positions=row(jnp.int32), branch_ids=row(jnp.int32), branch_ends=row(jnp.int32)) if setup.tree else {}
+    rows = Batch(tokens=row(jnp.int32), loss_mask=row(jnp.float32), advantages=row(jnp.float32),
+                 old_logp=row(jnp.float32), attention_mask=row(jnp.int32), **tree)
+    figures = result["programs"]
+    if "train_step" in wanted:
+        step = make_train_step(graphdef, tx, TrainStepConfig(
+            loss=LossConfig(kind="policy", agg="token_mean"), num_microbatches=setup.microbatches,
+            remat=setup.remat or None, max_microbatch_tokens=setup.max_microbatch_tokens),
+            mesh=mesh, state_shardings=shardings)
+        figures["train_step"] = _figures(*_compile(step, state, rows))
+    if setup.kl and "reference" in wanted:
+        ref_fn = make_logprob_fn(graphdef, mesh=mesh)
+        on_batch = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_sharding(mesh))  # noqa: E731
+        frozen = _with_shardings(_unwrap(state.params), _unwrap(shardings.params))
+        base = _with_shardings(_unwrap(state.rest), _unwrap(shardings.rest))
+        figures["reference"] = _figures(*_compile(
+            ref_fn, frozen, base, on_batch(rows.tokens), on_batch(rows.attention_mask), on_batch(rows.loss_mask),
+            *[on_batch(tree[k]) if tree else None for k in ("positions", "branch_ids", "branch_ends")]))
+    if setup.decode_batch and setup.context:
+        result.update(_sampler_programs(setup, cfg, mesh, devices, host_devices, wanted, figures))
+    result["phases"] = phases(result)
+    return result
+
+
+def _sampler_programs(setup, cfg, mesh, devices, host_devices, wanted, figures) -> dict:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from steprl_jax.models.fused_attention import traced_under
+    from steprl_jax.models.sharding import LOGICAL_AXIS_RULES, state_shardings
+    from steprl_jax.models.transformer import KVCache, Transformer
+    from steprl_jax.sampling import sampler as sampler_lib
+    from steprl_jax.sampling.params import DecodeProgram, ExtendProgram
+    from steprl_jax.training.distributed import host_split_spec
+
+    host = _mesh(host_devices, mesh_sizes(setup.sampler_mesh, len(host_devices)))
+    # The sampler's model: plain weights (LoRA merged), matmul weights in the compute dtype.
+    graphdef, sstate = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+    full = _unwrap(sstate)
+    dtype = jnp.dtype(setup.dtype)
+    values = jax.tree_util.tree_map_with_path(
+        lambda p, x: jax.ShapeDtypeStruct(x.shape, dtype if sampler_lib.is_matmul_weight(p) else x.dtype), full)
+    target = _unwrap(state_shardings(sstate, host, LOGICAL_AXIS_RULES))
+    out = {"sampler_mesh": dict(host.shape), "sampler_resident": {"weights": _bytes_per_device(values, target)}}
+
+    if "transfer" in wanted:
+        # One reshard over every device: each host ends with a whole copy split over its chips.
+        groups = {}
+        for d in devices:
+            groups.setdefault(d.process_index, []).append(d)
+        n = min(len(g) for g in groups.values())
+        stacked = Mesh(np.asarray([g[:n] for g in groups.values()], dtype=object), ("process", "local"))
+        src = _with_shardings(full, _unwrap(state_shardings(sstate, mesh, LOGICAL_AXIS_RULES)))
+        dst = jax.tree.map(lambda x: NamedSharding(stacked, host_split_spec(x.shape, n)), full)
+        figures["transfer"] = _figures(*_compile(jax.jit(lambda x: x, out_shardings=dst), src))
+
+    shard = sampler_lib.cache_shardings(host, LOGICAL_AXIS_RULES, cfg.num_kv_heads)
+    constrain = functools.partial(sampler_lib.constrain_cache, shard)
+    B, S = setup.decode_batch, setup.context
+    cache = jax.eval_shape(lambda: KVCache.init(cfg, B, S, dtype))
+    sds = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)  # noqa: E731
+    cache = KVCache(tuple(sds(x, shard[2]) for x in cache.k), tuple(sds(x, shard[2]) for x in cache.v),
+                    sds(cache.slot_pos, shard[1]), jax.ShapeDtypeStruct((), jnp.int32, sharding=shard[3]))
+    out["sampler_resident"]["kv_cache"] = _bytes_per_device(
+        [*cache.k, *cache.v, cache.slot_pos], [*[shard[2]] * (2 * len(cache.k)), shard[1]])
+    params = _with_shardings(values, target)
+    unstack = jax.jit(lambda s: nnx.merge(graphdef, s).layers.unstacked()).lower(params).compile()
+    layer_params = jax.tree.map(sds, jax.eval_shape(lambda s: nnx.merge(graphdef, s).layers.unstacked(), params),
+                                unstack.output_shardings)
+    replicated = NamedSharding(host, PartitionSpec())
+    params = {**params, "layers": jax.tree.map(  # the sampler keeps the unstacked copy only
+        lambda x: jax.ShapeDtypeStruct((0,), x.dtype, sharding=replicated), params["layers"])}
+    rows = lambda dt: jax.ShapeDtypeStruct((B,), dt, sharding=shard[0])  # noqa: E731
+    if "prefill" in wanted:
+        T = min(setup.prefill_chunk, S)
+        ids = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=shard[1])
+        extend = jax.jit(traced_under(host, functools.partial(sampler_lib._extend_impl, graphdef, constrain)),
+                         static_argnames="program", donate_argnames="cache")
+        figures["prefill"] = _figures(*_compile(extend, params, layer_params, cache, ids, ids,
+                                                program=ExtendProgram(B, T, S)))
+    if "decode" in wanted:
+        program = DecodeProgram(batch=B, cache_length=S, max_new=setup.decode_chunk, greedy=False, top_k=0,
+                                top_p=False, with_entropy=False, stop_ids=tuple(cfg.eos_token_ids) or (0,),
+                                stop_states=0, max_context=S)
+        decode = jax.jit(traced_under(host, functools.partial(sampler_lib._decode_impl, graphdef, constrain)),
+                         static_argnames="program", donate_argnames="cache")
+        unembed = jax.ShapeDtypeStruct((cfg.vocab_size, cfg.hidden_size), dtype, sharding=replicated)
+        scalar = lambda dt: jax.ShapeDtypeStruct((), dt, sharding=shard[3])  # noqa: E731
+        keys = jax.ShapeDtypeStruct((B, 2), jnp.uint32, sharding=shard[1])
+        figures["decode"] = _figures(*_compile(
+            decode, params, layer_params, unembed, cache, rows(jnp.int32), rows(jnp.int32), rows(jnp.int32), keys,
+            rows(jnp.int32), rows(jnp.int32), scalar(jnp.int32), scalar(jnp.bool_), scalar(jnp.float32),
+            scalar(jnp.float32), jax.ShapeDtypeStruct((1, cfg.vocab_size), jnp.int32, sharding=replicated),
+            program=program))
+    if "fork" in wanted:
+        take = jax.jit(functools.partial(sampler_lib._take_rows_impl, constrain))
+        figures["fork"] = _figures(*_compile(take, rows(jnp.int32), cache, rows(jnp.int32)))
+    return out
+
+
+def phases(result: dict) -> dict:
+    """Per-device bytes in each phase of an iteration, and the peak. The trainer's state and the
+    sampler's weights stay resident; the KV cache lives while rolling out; each program adds its
+    temporaries (and outputs not written over its donated inputs) while it runs."""
+    p = result["programs"]
+    resident = result["train_resident"]
+    trainer = resident["parameters"] + resident["optimizer_state"]
+    sampler = result.get("sampler_resident", {})
+    weights, cache = sampler.get("weights", 0), sampler.get("kv_cache", 0)
+    extra = lambda name: (p[name]["temporaries"] + max(p[name]["outputs"] - p[name]["donated"], 0)  # noqa: E731
+                          if name in p else 0)
+    out = {}
+    if "train_step" in p:  # its arguments are the trainer's state and the batch
+        out["train"] = weights + p["train_step"]["peak"]
+    if "reference" in p:  # its arguments: a frozen copy (full fine-tuning) or the trainer's own base (LoRA)
+        shared = resident["parameters"] if result["setup"]["lora_rank"] else 0
+        out["reference"] = trainer + weights + p["reference"]["peak"] - shared
+    if weights:
+        out["rollout"] = trainer + weights + cache + max(extra("prefill"), extra("decode"), extra("fork"))
+        out["transfer"] = trainer + weights + extra("transfer")
+    out["peak"] = max(out.values())
+    return out
