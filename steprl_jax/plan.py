@@ -156,14 +156,11 @@ def parse(argv=None):
             if v is not None}
         import dataclasses
 
-        from steprl_jax.models.presets import HF_CONFIGS
         from steprl_jax.planning import targets
 
         target = targets.target(args.target)
         changes.setdefault("batch", target.chips)  # one row per chip per step unless told
         setup = dataclasses.replace(base, **changes)
-        if setup.model not in HF_CONFIGS:
-            raise ValueError(f"--model: unknown preset {setup.model!r}; presets: {', '.join(sorted(HF_CONFIGS))}")
     except (ValueError, KeyError) as e:
         p.error(str(e).strip("'\""))
     return args, setup, target
@@ -179,6 +176,12 @@ def main(argv=None) -> int:
         os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={target.chips}"])
     elif target.platform == "tpu":
         os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the host runs nothing; libtpu only compiles
+    from steprl_jax.models.presets import HF_CONFIGS  # JAX starts here, after the flags above
+
+    if setup.model not in HF_CONFIGS:
+        print(f"error: --model: unknown preset {setup.model!r}; presets: {', '.join(sorted(HF_CONFIGS))}",
+              file=sys.stderr)
+        return 2
     try:
         result = plan(args.target, setup, args.programs)
     except ValueError as e:

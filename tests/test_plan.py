@@ -1,10 +1,14 @@
-"""The memory plan: a real preset's train step compiled ahead of time for a 4-device mesh (no
-weights allocated); its per-device figures are consistent with the shapes, LoRA cuts the
-optimizer state, and bad input names the flag."""
+"""The plan: a real preset's programs compiled ahead of time for 4 devices (no weights
+allocated); per-device figures consistent with the shapes, LoRA cuts the optimizer state, the
+target table maps cloud names to topologies, and bad input names the flag."""
 import json
 import os
 import subprocess
 import sys
+
+import pytest
+
+from steprl_jax.planning.targets import target
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -12,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _plan(tmp_path, *args):
     out = tmp_path / "plan.json"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    run = subprocess.run([sys.executable, "-m", "steprl_jax.plan", "--model", "llama-3.2-1b", "--mesh", "fsdp=4",
+    run = subprocess.run([sys.executable, "-m", "steprl_jax.plan", "--target", "cpu-4", "--model", "llama-3.2-1b",
                           "--batch", "4", "--length", "64", "--json", str(out), *args],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -20,28 +24,44 @@ def _plan(tmp_path, *args):
 
 
 def test_plan_full_fine_tuning_and_lora(tmp_path):
-    full, text = _plan(tmp_path, "--decode-batch", "8", "--context", "1024")
+    full, text = _plan(tmp_path, "--decode-batch", "8", "--context", "1024", "--programs", "train_step,fork")
     assert full["parameters"] == 1_235_814_400 and full["devices"] == 4
-    t = full["train_per_device"]
+    res, step = full["train_resident"], full["programs"]["train_step"]
     # float32 master weights sharded 4 ways; Adam keeps two moments of the same size
-    assert abs(t["parameters"] / (1_235_814_400 * 4 / 4) - 1) < 0.01
-    assert abs(t["optimizer_state"] / (2 * t["parameters"]) - 1) < 0.01
-    assert t["arguments"] >= t["parameters"] + t["optimizer_state"] and t["temporaries"] > 0
-    assert t["peak"] >= t["arguments"]
-    s = full["sampler_per_device"]
-    assert s["kv_cache"] == 2 * 16 * 8 * 1024 * 8 * 64 * 2  # layers x rows x context x kv heads x head dim, bf16
-    assert full["fits"]["h200"]["fits"] and "per device" in text
-    lora, _ = _plan(tmp_path, "--lora-rank", "8")
-    lt = lora["train_per_device"]
+    assert abs(res["parameters"] / (1_235_814_400 * 4 / 4) - 1) < 0.01
+    assert abs(res["optimizer_state"] / (2 * res["parameters"]) - 1) < 0.01
+    assert step["arguments"] >= res["parameters"] + res["optimizer_state"] and step["temporaries"] > 0
+    assert step["peak"] >= step["arguments"]
+    # layers x 2 (k, v) x rows x context x kv heads x head dim, bf16, kv heads split over the sampler's tensor=4
+    assert full["sampler_resident"]["kv_cache"] == 16 * 2 * 8 * 1024 * 8 * 64 * 2 // 4 + 8 * 1024 * 4
+    assert full["phases"]["peak"] >= step["peak"] and "XLA:CPU stand-in" in text
+    lora, _ = _plan(tmp_path, "--lora-rank", "8", "--programs", "train_step")
+    lres = lora["train_resident"]
     assert lora["trainable_parameters"] < 0.02 * lora["parameters"]
-    assert lt["optimizer_state"] < 0.05 * t["optimizer_state"]
-    assert lt["peak"] < t["peak"]
+    assert lres["optimizer_state"] < 0.05 * res["optimizer_state"]
+    assert lora["programs"]["train_step"]["peak"] < step["peak"]
 
 
-def test_plan_refuses_a_bad_mesh_and_an_unknown_model(tmp_path):
-    bad = subprocess.run([sys.executable, "-m", "steprl_jax.plan", "--model", "llama-3.2-1b", "--mesh", "fsdp=x"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert bad.returncode != 0 and "fsdp=x" in bad.stderr
-    unknown = subprocess.run([sys.executable, "-m", "steprl_jax.plan", "--model", "gpt-5", "--mesh", "fsdp=1"],
-                             cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert unknown.returncode != 0 and "qwen2.5-7b" in unknown.stderr
+def test_cloud_names_map_to_topologies():
+    assert (target("v5e-8").topology, target("v5e-8").chips, target("v5e-8").hosts) == ("v5e:2x4", 8, 1)
+    assert (target("v5litepod-16").topology, target("v5litepod-16").hosts) == ("v5e:4x4", 4)
+    assert (target("v5p-16").topology, target("v5p-16").chips) == ("v5p:2x2x2", 8)  # v5p counts TensorCores
+    assert target("v6e-8").topology == "v6e:2x4" and target("v4-8").topology == "v4:2x2x1"
+    for bad, says in (("v5p-5", "per chip"), ("v5p-12", "power of two"), ("v7x-8", "unknown accelerator"), ("v5e-12", "power of two")):
+        with pytest.raises(ValueError, match=says):
+            target(bad)
+
+
+def test_plan_refuses_a_bad_mesh_an_unknown_model_and_a_bad_target(tmp_path):
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "steprl_jax.plan", *args], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120)
+
+    bad = run("--model", "llama-3.2-1b", "--mesh", "fsdp=x")
+    assert bad.returncode == 2 and "fsdp=x" in bad.stderr
+    unknown = run("--model", "gpt-5")
+    assert unknown.returncode == 2 and "qwen2.5-7b" in unknown.stderr
+    wrong = run("--model", "llama-3.2-1b", "--target", "tpu9-8")
+    assert wrong.returncode == 2 and "tpu9" in wrong.stderr
+    preset = run("--preset", "portool-gpt")
+    assert preset.returncode == 2 and "portool-qwen2.5-7b" in preset.stderr

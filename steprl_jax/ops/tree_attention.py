@@ -112,6 +112,13 @@ def _visible(t_idx, s_idx, q, k, window):
     return ok
 
 
+def _dot(a, b, dims):
+    """float32-accumulated product; bf16 operands at the MXU's native precision (an explicit
+    precision: a global "highest" default is refused by Mosaic for bf16), float32 ones exact."""
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else lax.Precision.DEFAULT
+    return lax.dot_general(a, b, dims, precision=(precision, precision), preferred_element_type=jnp.float32)
+
+
 def _logits(s, softcap):
     return s if softcap is None else softcap * jnp.tanh(s / softcap)
 
@@ -131,7 +138,7 @@ def _fwd_kernel(table_ref, count_ref, q_ref, k_ref, v_ref, qf_ref, kf_ref, o_ref
     @pl.when(m < count_ref[b * num_q + i])
     def _run():
         q, k, v = q_ref[...], k_ref[...], v_ref[...]
-        s = _logits(lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32), softcap)
+        s = _logits(_dot(q, k, _NT), softcap)
         qf, kf = qf_ref[...], kf_ref[...]  # [bq, 128], [8, bk]
         t_idx = i * block_q + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
         s_idx = j * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
@@ -144,8 +151,8 @@ def _fwd_kernel(table_ref, count_ref, q_ref, k_ref, v_ref, qf_ref, kf_ref, o_ref
         p = jnp.where(ok, jnp.exp(s - m_next[:, :1]), 0.0)
         l_sc[...] = alpha * l_sc[...] + p.sum(-1, keepdims=True)
         m_sc[...] = m_next
-        acc_sc[...] = alpha[:, :1] * acc_sc[...] + lax.dot_general(
-            p.astype(v.dtype), v, _NN, preferred_element_type=jnp.float32)
+        acc_sc[...] = alpha[:, :1] * acc_sc[...] + _dot(
+            p.astype(v.dtype), v, _NN)
 
     @pl.when(m == num_k - 1)
     def _end():
@@ -209,7 +216,7 @@ def _dq_kernel(table_ref, count_ref, q_ref, k_ref, v_ref, qf_ref, kf_ref, lse_re
     @pl.when(m < count_ref[b * num_q + i])
     def _run():
         q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-        raw = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32)
+        raw = _dot(q, k, _NT)
         s = _logits(raw, softcap)
         qf, kf = qf_ref[...], kf_ref[...]
         t_idx = i * block_q + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
@@ -219,12 +226,12 @@ def _dq_kernel(table_ref, count_ref, q_ref, k_ref, v_ref, qf_ref, kf_ref, lse_re
         lse = jnp.expand_dims(lse_ref[0], -1)  # [bq, 1]
         di = jnp.expand_dims(di_ref[0], -1)
         p = jnp.where(ok, jnp.exp(s - lse), 0.0)
-        dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
+        dp = _dot(do, v, _NT)
         ds = p * (dp - di)
         if softcap is not None:
             th = jnp.tanh(raw / softcap)
             ds = ds * (1 - th * th)
-        acc_sc[...] += lax.dot_general(ds.astype(k.dtype), k, _NN, preferred_element_type=jnp.float32)
+        acc_sc[...] += _dot(ds.astype(k.dtype), k, _NN)
 
     @pl.when(m == num_k - 1)
     def _end():
@@ -246,7 +253,7 @@ def _dkv_kernel(table_ref, count_ref, q_ref, k_ref, v_ref, qf_ref, kf_ref, lse_r
         q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
         # Transposed tile [bk, bq]: the query-side rows (log-sum-exp, di, fields) broadcast
         # along sublanes, the key-side ones along lanes.
-        raw = lax.dot_general(k, q, _NT, preferred_element_type=jnp.float32)
+        raw = _dot(k, q, _NT)
         s = _logits(raw, softcap)
         qf, kf = qf_ref[...], kf_ref[...]  # [8, bq], [bk, 128]
         s_idx = j * block_k + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
@@ -255,13 +262,13 @@ def _dkv_kernel(table_ref, count_ref, q_ref, k_ref, v_ref, qf_ref, kf_ref, lse_r
                       window)
         lse, di = lse_ref[:1, :], di_ref[:1, :]  # [1, bq]
         p = jnp.where(ok, jnp.exp(s - lse), 0.0)
-        dv_sc[...] += lax.dot_general(p.astype(do.dtype), do, _NN, preferred_element_type=jnp.float32)
-        dp = lax.dot_general(v, do, _NT, preferred_element_type=jnp.float32)
+        dv_sc[...] += _dot(p.astype(do.dtype), do, _NN)
+        dp = _dot(v, do, _NT)
         ds = p * (dp - di)
         if softcap is not None:
             th = jnp.tanh(raw / softcap)
             ds = ds * (1 - th * th)
-        dk_sc[...] += lax.dot_general(ds.astype(q.dtype), q, _NN, preferred_element_type=jnp.float32)
+        dk_sc[...] += _dot(ds.astype(q.dtype), q, _NN)
 
     @pl.when((g == G - 1) & (m == num_q - 1))
     def _end():

@@ -85,9 +85,11 @@ def _figures(compiled, seconds: float) -> dict:
     return out
 
 
-def _compile(jitted, *args, **kwargs) -> tuple:
+def _compile(jitted, *args, keep=None, **kwargs) -> tuple:
     start = time.perf_counter()
     compiled = jitted.lower(*args, **kwargs).compile()
+    if keep is not None:
+        keep[0][keep[1]] = compiled
     return compiled, time.perf_counter() - start
 
 
@@ -114,9 +116,12 @@ def _with_shardings(values, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), values, shardings)
 
 
-def compile_run(setup: Setup, devices, host_devices, *, programs: Optional[set] = None) -> dict:
+def compile_run(setup: Setup, devices, host_devices, *, programs: Optional[set] = None, config=None,
+                keep: Optional[dict] = None) -> dict:
     """Compile `setup`'s programs: the trainer on `devices`, the sampler on `host_devices` (one
-    host's). Returns shapes, per-program figures and the per-device phases (see `phases`)."""
+    host's). Returns shapes, per-program figures and the per-device phases (see `phases`).
+    `config`: a ModelConfig instead of the preset `setup.model` names; `keep`: filled with the
+    compiled programs by name (to read their HLO)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -135,7 +140,8 @@ def compile_run(setup: Setup, devices, host_devices, *, programs: Optional[set] 
     wanted = programs or {"train_step", "reference", "transfer", "prefill", "decode", "fork"}
     sizes = mesh_sizes(setup.mesh, len(devices))
     mesh = _mesh(devices, sizes)
-    cfg = preset(setup.model, compute_dtype=setup.dtype, attention=setup.attention)
+    cfg = (config or preset(setup.model)).replace(compute_dtype=setup.dtype, attention=setup.attention)
+    keep = {} if keep is None else keep
 
     def build():
         model = Transformer(cfg, rngs=nnx.Rngs(0))
@@ -168,7 +174,7 @@ def compile_run(setup: Setup, devices, host_devices, *, programs: Optional[set] 
             loss=LossConfig(kind="policy", agg="token_mean"), num_microbatches=setup.microbatches,
             remat=setup.remat or None, max_microbatch_tokens=setup.max_microbatch_tokens),
             mesh=mesh, state_shardings=shardings)
-        figures["train_step"] = _figures(*_compile(step, state, rows))
+        figures["train_step"] = _figures(*_compile(step, state, rows, keep=(keep, "train_step")))
     if setup.kl and "reference" in wanted:
         ref_fn = make_logprob_fn(graphdef, mesh=mesh)
         on_batch = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_sharding(mesh))  # noqa: E731
@@ -178,12 +184,12 @@ def compile_run(setup: Setup, devices, host_devices, *, programs: Optional[set] 
             ref_fn, frozen, base, on_batch(rows.tokens), on_batch(rows.attention_mask), on_batch(rows.loss_mask),
             *[on_batch(tree[k]) if tree else None for k in ("positions", "branch_ids", "branch_ends")]))
     if setup.decode_batch and setup.context:
-        result.update(_sampler_programs(setup, cfg, mesh, devices, host_devices, wanted, figures))
+        result.update(_sampler_programs(setup, cfg, mesh, devices, host_devices, wanted, figures, keep))
     result["phases"] = phases(result)
     return result
 
 
-def _sampler_programs(setup, cfg, mesh, devices, host_devices, wanted, figures) -> dict:
+def _sampler_programs(setup, cfg, mesh, devices, host_devices, wanted, figures, keep) -> dict:
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -254,7 +260,7 @@ def _sampler_programs(setup, cfg, mesh, devices, host_devices, wanted, figures) 
             decode, params, layer_params, unembed, cache, rows(jnp.int32), rows(jnp.int32), rows(jnp.int32), keys,
             rows(jnp.int32), rows(jnp.int32), scalar(jnp.int32), scalar(jnp.bool_), scalar(jnp.float32),
             scalar(jnp.float32), jax.ShapeDtypeStruct((1, cfg.vocab_size), jnp.int32, sharding=replicated),
-            program=program))
+            program=program, keep=(keep, "decode")))
     if "fork" in wanted:
         take = jax.jit(functools.partial(sampler_lib._take_rows_impl, constrain))
         figures["fork"] = _figures(*_compile(take, rows(jnp.int32), cache, rows(jnp.int32)))
