@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # A Cloud TPU VM slice for steprl_jax, from creation to deletion, with `gcloud compute tpus tpu-vm`.
 #
-#   launch/tpu_vm.sh [--dry-run] create|setup|run|logs|delete [-- MAIN_JOB_ARGS...]
+#   launch/tpu_vm.sh [--dry-run] plan|create|setup|run|logs|delete [-- ARGS...]
 #
-#   create   make the slice (spot or preemptible if asked)
+#   plan     on this machine (any Linux host with the tpu extra): compile the run's programs for
+#            $ACCELERATOR's topology with the TPU compiler, `python -m steprl_jax.plan --target
+#            $ACCELERATOR ARGS` (e.g. -- --preset portool-qwen2.5-7b), into $PLAN_FILE
+#   create   make the slice (spot or preemptible if asked); refused when $PLAN_FILE says the run
+#            does not fit this slice, or was planned for another one (FORCE=1 creates anyway)
 #   setup    copy the repository (its committed files) to every worker, install it with the tpu extra
 #   run      start the main job on every worker at once (one JAX process per host; on a TPU VM,
 #            jax.distributed finds its coordinator and process id by itself; the trainer's mesh
@@ -15,10 +19,11 @@
 #
 # Settings (environment): TPU_NAME (required), ZONE (us-central1-a), ACCELERATOR (v5litepod-16),
 # RUNTIME (by chip: v2-alpha-tpuv5-lite, v2-alpha-tpuv5, v2-alpha-tpuv6e), PROJECT (gcloud's default when unset), SPOT=1 or PREEMPTIBLE=1,
-# REMOTE_DIR (steprl_jax, under each worker's home).
+# REMOTE_DIR (steprl_jax, under each worker's home), PLAN_FILE (runs/plans/$TPU_NAME.json), FORCE=1.
 # --dry-run prints every command instead of running it.
 #
 # Example, a PORTool run on a v5e-16 slice:
+#   TPU_NAME=steprl ACCELERATOR=v5litepod-16 launch/tpu_vm.sh plan -- --preset portool-qwen3-1.7b
 #   TPU_NAME=steprl ZONE=us-west4-a ACCELERATOR=v5litepod-16 SPOT=1 launch/tpu_vm.sh create
 #   TPU_NAME=steprl ZONE=us-west4-a launch/tpu_vm.sh setup
 #   TPU_NAME=steprl ZONE=us-west4-a launch/tpu_vm.sh run -- --config=configs/portool_toolworld.py \
@@ -45,6 +50,7 @@ case "$ACCELERATOR" in  # the runtime image for the chip, unless RUNTIME says ot
 esac
 RUNTIME=${RUNTIME:-$DEFAULT_RUNTIME}
 REMOTE_DIR=${REMOTE_DIR:-steprl_jax}
+PLAN_FILE=${PLAN_FILE:-runs/plans/$TPU_NAME.json}
 PROJECT_FLAG=()
 [ -n "${PROJECT:-}" ] && PROJECT_FLAG=(--project="$PROJECT")
 
@@ -70,8 +76,42 @@ workers() {  # hosts in the slice: from gcloud, or (dry run) from the accelerato
   esac
 }
 
+check_plan() {  # refuse a slice the plan says the run does not fit (FORCE=1: go on anyway)
+  if [ ! -f "$PLAN_FILE" ]; then
+    echo "note: no plan at $PLAN_FILE (launch/tpu_vm.sh plan -- ARGS compiles one here first)" >&2
+    return
+  fi
+  local verdict
+  verdict=$(python3 - "$PLAN_FILE" "$ACCELERATOR" <<'PY'
+import json, sys
+plan = json.load(open(sys.argv[1]))
+target = plan["target"]
+if target["name"] != sys.argv[2]:
+    print("was planned for %s, not %s" % (target["name"], sys.argv[2]))
+elif not plan["fits"]:
+    print("needs %.1f GiB per chip; a %s chip has %.0f" % (plan["phases"]["peak"] / 2**30, target["chip"],
+                                                          target["hbm_per_chip"] / 2**30))
+PY
+)
+  if [ -n "$verdict" ]; then
+    if [ "${FORCE:-0}" = 1 ]; then
+      echo "warning: $PLAN_FILE: the run $verdict; creating anyway (FORCE=1)" >&2
+    else
+      echo "error: $PLAN_FILE: the run $verdict; plan again for another ACCELERATOR, or FORCE=1" >&2
+      exit 3
+    fi
+  fi
+}
+
 case "$COMMAND" in
+  plan)
+    PY=python3
+    [ -x .venv/bin/python ] && PY=.venv/bin/python
+    run mkdir -p "$(dirname "$PLAN_FILE")"
+    run env JAX_PLATFORMS=cpu "$PY" -m steprl_jax.plan --target "$ACCELERATOR" --json "$PLAN_FILE" "$@"
+    ;;
   create)
+    check_plan
     FLAGS=(--accelerator-type="$ACCELERATOR" --version="$RUNTIME")
     [ "${SPOT:-0}" = 1 ] && FLAGS+=(--spot)
     [ "${PREEMPTIBLE:-0}" = 1 ] && FLAGS+=(--preemptible)
@@ -108,7 +148,7 @@ case "$COMMAND" in
     tpu delete "$TPU_NAME" --quiet
     ;;
   *)
-    sed -n '2,25p' "$0" >&2
+    sed -n '2,30p' "$0" >&2
     exit 2
     ;;
 esac

@@ -1,4 +1,5 @@
 """The TPU VM launch script's dry runs: every gcloud command it would run, for a v5e-16 and a v5p-32 slice."""
+import json
 import os
 import shlex
 import subprocess
@@ -8,12 +9,38 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _launch(command, *args, **env):
+    return subprocess.run(["bash", os.path.join(ROOT, "launch", "tpu_vm.sh"), "--dry-run", command, *args],
+                          env={**os.environ, "TPU_NAME": "steprl", "ZONE": "us-west4-a",
+                               "PLAN_FILE": "/nonexistent/plan.json", **env},
+                          capture_output=True, text=True, timeout=60)
+
+
 def _dry_run(command, *args, **env):
-    out = subprocess.run(["bash", os.path.join(ROOT, "launch", "tpu_vm.sh"), "--dry-run", command, *args],
-                         env={**os.environ, "TPU_NAME": "steprl", "ZONE": "us-west4-a", **env},
-                         capture_output=True, text=True, timeout=60)
+    out = _launch(command, *args, **env)
     assert out.returncode == 0, out.stderr
     return [shlex.split(line) for line in out.stdout.splitlines()]
+
+
+def test_plan_first_and_create_refuses_a_slice_the_run_does_not_fit(tmp_path):
+    plan_file = tmp_path / "plan.json"
+    mkdir, plan = _dry_run("plan", "--", "--preset", "portool-qwen2.5-7b-lora", ACCELERATOR="v5litepod-8",
+                           PLAN_FILE=str(plan_file))
+    assert mkdir[:2] == ["mkdir", "-p"]
+    assert plan[plan.index("-m"):] == ["-m", "steprl_jax.plan", "--target", "v5litepod-8", "--json", str(plan_file),
+                                       "--preset", "portool-qwen2.5-7b-lora"]
+    verdict = {"target": {"name": "v5litepod-8", "chip": "v5e", "hbm_per_chip": 16 * 2**30},
+               "phases": {"peak": 20 * 2**30}, "fits": False}
+    plan_file.write_text(json.dumps(verdict))
+    refused = _launch("create", ACCELERATOR="v5litepod-8", PLAN_FILE=str(plan_file))
+    assert refused.returncode == 3 and "20.0 GiB per chip" in refused.stderr and "FORCE=1" in refused.stderr
+    stale = _launch("create", ACCELERATOR="v5litepod-16", PLAN_FILE=str(plan_file))
+    assert stale.returncode == 3 and "planned for v5litepod-8" in stale.stderr
+    (create,) = _dry_run("create", ACCELERATOR="v5litepod-8", PLAN_FILE=str(plan_file), FORCE="1")
+    assert create[4] == "create"
+    plan_file.write_text(json.dumps({**verdict, "fits": True}))
+    (create,) = _dry_run("create", ACCELERATOR="v5litepod-8", PLAN_FILE=str(plan_file))
+    assert create[4] == "create"
 
 
 @pytest.mark.parametrize("accelerator,runtime,workers", [("v5litepod-16", "v2-alpha-tpuv5-lite", 4),
