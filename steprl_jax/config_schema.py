@@ -84,6 +84,8 @@ def names(*choices, **kw) -> Field:
 
 
 DTYPES = ("float32", "bfloat16")
+# models.config.ATTENTION_IMPLEMENTATIONS (not imported: checking a config starts no JAX)
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "tpu", "tpu_interpret", "gpu")
 LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "query_token_mean")  # algorithms/tree_rows.py
 EPS_LOW = dict(lo=0, hi=1, open_hi=True)  # the PPO clip range below 1 (training/config.py LossConfig)
 DDOF = dict(lo=0, hi=1, note="the z-score's std: 0 population, 1 sample")
@@ -132,6 +134,8 @@ FIELDS: dict[str, Field] = {
 
     "model.source": text(nonempty=True),
     "model.compute_dtype": text(*DTYPES),
+    "model.attention": text(*ATTENTION_IMPLEMENTATIONS, optional=True,
+                            note="auto: fused kernels on TPU/GPU, xla on CPU"),
 
     "task.name": text("arithmetic", "gsm8k", "hotpotqa", "toolworld"),
     "task.path": text(note="a JSONL file (gsm8k, hotpotqa)"),

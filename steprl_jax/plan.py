@@ -7,7 +7,9 @@
 
 With libtpu installed (`pip install -e ".[tpu]"`, works on any Linux host) a TPU target compiles
 on libtpu's compile-only devices: the real TPU compiler, Pallas/Mosaic kernels included, and the
-figures are that compiler's (per chip). `cpu-N` compiles on N virtual CPU devices, a stand-in
+figures are that compiler's (per chip). With the CUDA plugin (`pip install -e ".[gpu]"`, also
+without a GPU) `h100-N` / `h200-N` (N <= 8, one host) compile with XLA:GPU the same way
+(`planning/gpu.py` says what that does not check). `cpu-N` compiles on N virtual CPU devices, a stand-in
 whose figures are the order of magnitude only (XLA:CPU fuses differently and runs the "xla"
 attention path). Programs: see `planning/programs.py`. The roofline time of each program is an
 estimate, labelled as one: max(flops / peak bf16 rate, bytes accessed / HBM bandwidth) per chip,
@@ -31,8 +33,10 @@ def _devices(target):
 
     if target.platform == "tpu":
         devs = targets.devices(target)
-        host = [d for d in devs if d.process_index == devs[0].process_index]
-        return devs, host
+        return devs, devs if target.hosts == 1 else targets.devices(target.one_host())
+    if target.platform == "gpu":
+        devs = targets.devices(target)
+        return devs, devs
     devs = jax.devices()[: target.chips]
     if len(devs) < target.chips:
         raise ValueError(f"--target {target.name}: {target.chips} devices needed, this process has {len(devs)}")
@@ -47,15 +51,17 @@ def plan(target_name: str, setup, programs: set = frozenset()) -> dict:
     from steprl_jax.planning.programs import compile_run
 
     target = targets.target(target_name)
-    if target.chip.kind in ("h100", "h200"):
-        raise ValueError(f"--target {target_name}: GPU programs do not compile without a GPU here "
-                         "(the CUDA plugin offers no compile-only devices); use a TPU or cpu target")
-    if target.platform == "tpu":
-        why = targets.libtpu_available()
+    if target.platform in ("tpu", "gpu"):
+        if target.platform == "tpu":
+            why = targets.libtpu_available()
+        else:
+            from steprl_jax.planning import gpu
+
+            why = gpu.why_not()
         if why:
             raise ValueError(f"--target {target_name}: {why}; or use --target cpu-{target.chips}")
         if setup.attention == "auto":
-            setup = dataclasses.replace(setup, attention="tpu")
+            setup = dataclasses.replace(setup, attention=target.platform)
     elif setup.attention == "auto":
         setup = dataclasses.replace(setup, attention="xla")
     devices, host = _devices(target)
@@ -63,16 +69,44 @@ def plan(target_name: str, setup, programs: set = frozenset()) -> dict:
     chip = target.chip
     result["target"] = {"name": target.name, "chip": chip.kind, "chips": target.chips, "hosts": target.hosts,
                         "topology": target.topology or f"{target.chips} virtual CPU devices",
-                        "compiler": "TPU (libtpu, compile-only devices)" if target.platform == "tpu"
-                        else "XLA:CPU stand-in (order of magnitude only)",
+                        "compiler": {"tpu": "TPU (libtpu, compile-only devices)",
+                                     "gpu": "XLA:GPU (CUDA plugin, compile-only devices; autotuning off, "
+                                            "cuDNN workspace not counted)"}.get(
+                            target.platform, "XLA:CPU stand-in (order of magnitude only)"),
                         "hbm_per_chip": chip.hbm}
     for name, fig in result["programs"].items():
-        if chip.bf16_flops:
+        if chip.bf16_flops and (fig["flops"] or fig["bytes_accessed"]):  # XLA:GPU gives no cost analysis
             fig["roofline_seconds"] = max(fig["flops"] / chip.bf16_flops, fig["bytes_accessed"] / chip.hbm_bandwidth)
     peak = result["phases"]["peak"]
-    result["fits"] = bool(chip.hbm and peak <= chip.hbm)
+    result["fits"] = bool(chip.hbm and peak <= chip.hbm and not result["phases"].get("refused_by_compiler"))
     result["used"] = round(peak / chip.hbm, 3) if chip.hbm else None
     return result
+
+
+def smallest_slice(chip: str, setup, programs: set = frozenset(), most_chips: int = 256) -> dict:
+    """The plan on the smallest slice of `chip` the run fits, from the TPU compiler: slices tried
+    from the smallest that can hold the trainer's state upwards (`tried` lists each)."""
+    from steprl_jax.models.presets import count_params, preset
+    from steprl_jax.planning import targets
+
+    kind = targets.target(chip + "-8").chip
+    n = count_params(preset(setup.model))
+    state = n * (4 if setup.lora_rank else 12)  # float32 weights (+ Adam's two moments when all are trained)
+    chips = 1 if kind.dims == 2 else 4
+    while chips * kind.hbm < state and chips < most_chips:
+        chips *= 2
+    tried = []
+    while chips <= most_chips:
+        name = f"{chip}-{chips * kind.cores_per_name}"
+        result = plan(name, setup, programs)
+        tried.append({"target": name, "peak": result["phases"]["peak"], "fits": result["fits"]})
+        print(f"  {name}: {result['phases']['peak'] / GIB:.1f} GiB per chip: "
+              f"{'fits' if result['fits'] else 'does not fit'}", flush=True)
+        if result["fits"]:
+            result["tried"] = tried
+            return result
+        chips *= 2
+    raise ValueError(f"the run fits no {chip} slice up to {most_chips} chips: {tried}")
 
 
 def _print(r: dict) -> None:
@@ -81,11 +115,12 @@ def _print(r: dict) -> None:
     print(f"{s['model']}: {r['parameters'] / 1e9:.2f}B parameters"
           + (f" + LoRA rank {s['lora_rank']} ({r['trainable_parameters'] / 1e6:.1f}M trained)" if s["lora_rank"]
              else " (full fine-tuning)")
-          + f"; {s['batch']} {'tree' if s['tree'] else 'plain'} rows x {s['length']} tokens, {s['dtype']}, "
+          + f"; {r['batch']} {'tree' if s['tree'] else 'plain'} rows x {s['length']} tokens, {s['dtype']}, "
           f"attention {r['attention']}")
     print(f"target {t['name']}: {t['chips']} x {t['chip']} ({t['topology']}, {t['hosts']} host(s)); "
           f"compiled by {t['compiler']}; trainer mesh {r['mesh']}"
-          + (f", sampler mesh {r['sampler_mesh']} per host" if "sampler_mesh" in r else ""))
+          + (f", sampler mesh {r['sampler_mesh']} per host, {r['sampler_rows_per_host']} rows each"
+             if "sampler_mesh" in r else ""))
     print(f"  {'program':<11}{'compile':>9}{'arguments':>13}{'temporaries':>13}{'peak':>13}"
           f"{'TFLOP':>9}{'GB accessed':>12}{'roofline (estimate)':>21}")
     for name, f in r["programs"].items():
@@ -95,7 +130,11 @@ def _print(r: dict) -> None:
     res = r["train_resident"]
     print(f"  resident: trainer parameters {g(res['parameters'])}, optimizer state {g(res['optimizer_state'])}"
           + "".join(f", sampler {k} {g(v)}" for k, v in r.get("sampler_resident", {}).items()))
-    print("  per chip by phase: " + ", ".join(f"{k} {g(v).strip()}" for k, v in r["phases"].items()))
+    print("  per chip by phase: " + ", ".join(f"{k} {g(v).strip()}" for k, v in r["phases"].items()
+                                               if k != "refused_by_compiler"))
+    for name, f in r["programs"].items():
+        if "out_of_memory" in f:
+            print(f"  {name}: the compiler refused it: {f['out_of_memory']}")
     hbm = t["hbm_per_chip"]
     if hbm:
         print(f"  {t['chip']} has {hbm / GIB:.0f} GiB per chip: "
@@ -118,7 +157,8 @@ def parse(argv=None):
     from steprl_jax.planning import presets
 
     p = argparse.ArgumentParser(prog="python -m steprl_jax.plan", description=__doc__.split("\n")[0])
-    p.add_argument("--target", default="cpu-8", help="v5e-8, v5litepod-16, v5p-16, v6e-8, v4-8, ... or cpu-N")
+    p.add_argument("--target", default="cpu-8", help="v5e-8, v5litepod-16, v5p-16, v6e-8, v4-8, ... or cpu-N; "
+                                                     "a chip alone (v5e, v5p, ...): the smallest slice the run fits")
     p.add_argument("--preset", default="", help=f"a paper's set-up: {', '.join(presets.PRESETS)}")
     p.add_argument("--model", default="", help="a model preset (steprl_jax.models.presets)")
     p.add_argument("--mesh", default="", help="trainer mesh, e.g. fsdp=0 (0: every device left), data=2,fsdp=0")
@@ -126,19 +166,22 @@ def parse(argv=None):
     p.add_argument("--length", type=int, help="tokens per row")
     p.add_argument("--rows", choices=("tree", "plain"), help="tree rows (branches) or plain causal rows")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="compute dtype")
-    p.add_argument("--attention", choices=("auto", "xla", "tpu"), help="auto: the target's fused kernels")
+    p.add_argument("--attention", choices=("auto", "xla", "tpu", "gpu"), help="auto: the target's fused kernels")
     p.add_argument("--remat", help="rematerialisation policy ('' for none)")
     p.add_argument("--microbatches", type=int)
     p.add_argument("--max-microbatch-tokens", type=int)
-    p.add_argument("--decode-batch", type=int, help="sampler rows per host (0: no sampler programs)")
+    p.add_argument("--decode-batch", type=int, help="rows sampled at once over the slice, each host its share "
+                                                    "(0: no sampler programs)")
     p.add_argument("--context", type=int, help="sampler context (cache slots)")
-    p.add_argument("--sampler-mesh", default="", help="the sampler's mesh over one host's chips, e.g. tensor=0")
+    p.add_argument("--sampler-mesh", default="", help="the sampler's mesh over one host's chips, e.g. tensor=4,fsdp=0 "
+                                                     "(default: tensor over the kv heads it divides, fsdp the rest)")
     p.add_argument("--lora-rank", type=int, help="train LoRA adapters of this rank (0: every weight)")
     p.add_argument("--kl", action="store_true", default=None, help="the run has a KL term: compile the reference")
     p.add_argument("--programs", default="", help="compile only these, e.g. train_step,decode (default: all)")
     p.add_argument("--json", default="", help="write the plan here")
     args = p.parse_args(argv)
-    known = ("train_step", "reference", "transfer", "prefill", "decode", "fork")
+    from steprl_jax.planning.programs import PROGRAMS as known
+
     args.programs = set(filter(None, args.programs.split(",")))
     if args.programs - set(known):
         p.error(f"--programs: {', '.join(sorted(args.programs - set(known)))} not among {', '.join(known)}")
@@ -158,8 +201,7 @@ def parse(argv=None):
 
         from steprl_jax.planning import targets
 
-        target = targets.target(args.target)
-        changes.setdefault("batch", target.chips)  # one row per chip per step unless told
+        target = targets.target(args.target if "-" in args.target else args.target + "-8")
         setup = dataclasses.replace(base, **changes)
     except (ValueError, KeyError) as e:
         p.error(str(e).strip("'\""))
@@ -174,8 +216,8 @@ def main(argv=None) -> int:
         flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
                  if not f.startswith("--xla_force_host_platform_device_count")]
         os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={target.chips}"])
-    elif target.platform == "tpu":
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the host runs nothing; libtpu only compiles
+    else:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the host runs nothing; libtpu / the CUDA plugin compile
     from steprl_jax.models.presets import HF_CONFIGS  # JAX starts here, after the flags above
 
     if setup.model not in HF_CONFIGS:
@@ -183,7 +225,10 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     try:
-        result = plan(args.target, setup, args.programs)
+        if "-" in args.target:
+            result = plan(args.target, setup, args.programs)
+        else:
+            result = smallest_slice(args.target, setup, args.programs)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -312,3 +312,9 @@ def test_an_http_judge_without_its_server_is_named(section, role):
     config = with_value(config, f"{section}.base_url", "http://127.0.0.1:8000/v1")
     assert refused(config).startswith(f"config.{section}.model: empty")
     config_schema.check(with_value(config, f"{section}.model", "judge"))
+
+
+def test_the_attention_choices_are_the_models():
+    from steprl_jax.models.config import ATTENTION_IMPLEMENTATIONS
+
+    assert config_schema.ATTENTION_IMPLEMENTATIONS == ATTENTION_IMPLEMENTATIONS

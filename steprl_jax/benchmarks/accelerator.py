@@ -1,6 +1,12 @@
-"""On a GPU or TPU chip: decode throughput with its share of the memory-bandwidth roofline, and the
-train step's model-FLOPs utilisation, for a 1B-class model (random weights in the Llama-3.2-1B
-shape, bf16 compute). Run by `launch/accelerator_bench.sh`; a few minutes on one chip.
+"""On a GPU or TPU chip: the fused attention kernels against the "xla" path, decode throughput with
+its share of the memory-bandwidth roofline, and the train step's model-FLOPs utilisation, for a
+1B-class model (random weights in the Llama-3.2-1B shape, bf16 compute). Run by
+`launch/accelerator_bench.sh`; a few minutes on one chip.
+
+Attention: one layer's attention forward + backward on `--attention-rows` rows of
+`--attention-length` tokens, plain causal rows and tree rows (8 branches after a shared
+prefix), with the platform's kernels (`model.attention` "auto") and with "xla"; median times and
+their ratio.
 
     python -m steprl_jax.benchmarks.accelerator [--model llama-3.2-1b] [--batches 1,32,256]
         [--new-tokens 128] [--train-batch 8 --train-length 2048] [--json PATH]
@@ -81,6 +87,59 @@ def bench_train(model, batch: int, length: int, steps: int = 5) -> float:
     return median_time(one_step, steps)
 
 
+def bench_attention(cfg, rows: int, length: int, reps: int = 5) -> dict:
+    """Median seconds of attention forward + backward (one layer's shapes), fused against "xla",
+    on plain and tree rows."""
+    import functools
+
+    import jax.numpy as jnp
+
+    from steprl_jax.models import fused_attention
+    from steprl_jax.models.attention import MASKED, causal_attention, tree_mask
+    from steprl_jax.ops.tree_attention import TreeRows
+
+    impl = fused_attention.resolve("auto")
+    B, T, N, K, H = rows, length, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (B, T, N, H), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (B, T, K, H), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (B, T, K, H), jnp.bfloat16)
+    prefix, branch = T // 4, (T - T // 4) // 8
+    node = np.minimum(np.maximum(np.arange(T) - prefix, -1) // branch + 1, 8)[None].repeat(B, 0)
+    end = np.where(node == 0, 9, node + 1)
+    valid = np.ones((B, T), bool)
+    pos = np.where(node == 0, np.arange(T), prefix + (np.arange(T) - prefix) % branch)[None].repeat(B, 0)
+    out = {"implementation": impl}
+    for kind, tree in (("plain", False), ("tree", True)):
+        n, e = (jnp.asarray(node), jnp.asarray(end)) if tree else (jnp.zeros((B, T), jnp.int32),
+                                                                   jnp.full((B, T), 2**31 - 1, jnp.int32))
+        rows_ = TreeRows(jnp.asarray(valid), jnp.zeros((B, T), jnp.int32), n, e, jnp.asarray(pos))
+        fused = functools.partial(fused_attention.attend, rows=rows_, impl=impl, tree=tree, window=None,
+                                  scale=H ** -0.5, softcap=None)
+        mask = tree_mask(jnp, rows_.valid, None, n if tree else None, e if tree else None)
+        bias = jnp.where(mask, 0.0, MASKED).astype(jnp.float32)
+
+        def dense(q, k, v):
+            return causal_attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), bias, scale=H ** -0.5,
+                                    softcap=None, dtype=jnp.bfloat16)
+
+        row = {}
+        for name, fn in (("fused", fused), ("xla", dense)):
+            if name == "fused" and not fused_attention.takes(impl, tree, False, None):
+                continue
+            grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32)), (0, 1, 2)))
+            try:
+                jax.block_until_ready(grad(q, k, v))
+                row[name] = median_time(lambda: jax.block_until_ready(grad(q, k, v)), reps)
+            except Exception as e:  # e.g. out of memory for the dense path: say so, go on
+                row[name] = None
+                row[f"{name}_error"] = str(e).splitlines()[0][:200]
+        if row.get("fused") and row.get("xla"):
+            row["speedup"] = row["xla"] / row["fused"]
+        out[kind] = row
+    return out
+
+
 def main(argv=None) -> dict:
     from flax import nnx
 
@@ -94,6 +153,8 @@ def main(argv=None) -> dict:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--train-batch", type=int, default=8)
     p.add_argument("--train-length", type=int, default=2048)
+    p.add_argument("--attention-rows", type=int, default=4)
+    p.add_argument("--attention-length", type=int, default=8192)
     p.add_argument("--peak-tflops", type=float, default=0.0)
     p.add_argument("--hbm-gbs", type=float, default=0.0)
     p.add_argument("--json", default="")
@@ -108,6 +169,12 @@ def main(argv=None) -> dict:
            "peak_tflops": tflops, "hbm_gbs": hbm, "decode": [], "train": {}}
     print(f"{device.device_kind} ({jax.default_backend()}): peak {tflops:.0f} TFLOP/s bf16, {hbm:.0f} GB/s; "
           f"{a.model} random weights, bf16")
+    out["attention"] = bench_attention(cfg, a.attention_rows, a.attention_length)
+    for kind in ("plain", "tree"):
+        r = out["attention"][kind]
+        print(f"attention fwd+bwd, {a.attention_rows} {kind} rows x {a.attention_length}: "
+              + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r.items() if k in ("fused", "xla") and v)
+              + (f", fused {r['speedup']:.1f}x faster" if "speedup" in r else ""))
     for batch in [int(x) for x in a.batches.split(",") if x]:
         seconds = bench_decode(model, batch, a.prompt, a.new_tokens)
         kv_per_step = 2 * cfg.num_layers * batch * (a.prompt + a.new_tokens / 2) * cfg.num_kv_heads * cfg.head_dim * 2

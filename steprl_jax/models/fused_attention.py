@@ -63,9 +63,10 @@ def attend(q_btnh, k_btkh, v_btkh, rows: TreeRows, *, impl: str, tree: bool, win
     [B, T, N, H] in the queries' dtype. `tree`: the row holds branches (`rows.node`, `rows.end`);
     `window`: Gemma's sliding window for this layer (None: global)."""
     q = (q_btnh * scale).astype(q_btnh.dtype)
-    if impl == "gpu":  # grouped-query heads as they are; real tokens never see the padding after them
-        return jax.nn.dot_product_attention(q, k_btkh, v_btkh, scale=1.0, is_causal=True, implementation="cudnn",
-                                            local_window_size=(window - 1, 0) if window else None)
+    head_major = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731
+    if impl == "gpu":
+        kernel = functools.partial(_cudnn, window=window)
+        return head_major(_on_mesh(kernel, head_major(q), head_major(k_btkh), head_major(v_btkh), rows))
     interpret = impl == "tpu_interpret"
     kernel = (functools.partial(_tree, softcap=softcap, window=window, interpret=interpret) if tree
               else functools.partial(_splash, softcap=softcap, window=window, interpret=interpret))
@@ -75,9 +76,19 @@ def attend(q_btnh, k_btkh, v_btkh, rows: TreeRows, *, impl: str, tree: bool, win
         widen = lambda x: jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))  # noqa: E731
         q, k_btkh, v_btkh = widen(q), widen(k_btkh), widen(v_btkh)
         rows = TreeRows(*(widen(x) for x in rows))
-    head_major = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731
     out = _on_mesh(kernel, head_major(q), head_major(k_btkh), head_major(v_btkh), rows)
     return head_major(out)[:, :T]
+
+
+def _cudnn(q_bnth, k_bksh, v_bksh, rows: TreeRows, *, window):
+    """cuDNN's fused attention (grouped-query heads as they are); right-padded rows: a real
+    token never sees the padding after it. Per device (XLA's cuDNN partitioner wants q, k and v
+    sharded alike, which the layer's activations need not be)."""
+    del rows
+    t = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731
+    out = jax.nn.dot_product_attention(t(q_bnth), t(k_bksh), t(v_bksh), scale=1.0, is_causal=True,
+                                       implementation="cudnn", local_window_size=(window - 1, 0) if window else None)
+    return t(out)
 
 
 def _tree(q, k, v, rows, *, softcap, window, interpret):

@@ -254,12 +254,16 @@ class Transformer(nnx.Module):
             x = self._run_layers(x, positions_bt, mask_bts, positions_bt, remat, key_blocks_bqm)
         return self._final_norm(x)
 
-    def extend(self, input_ids_bt, positions_bt, cache: KVCache, layer_params: Optional[tuple] = None):
+    def extend(self, input_ids_bt, positions_bt, cache: KVCache, layer_params: Optional[tuple] = None,
+               fresh: bool = False):
         """Append T tokens per row to `cache`, returning (hidden [B, T, D], new cache).
 
         `positions_bt[b, t] == -1` marks a padding slot (a row with fewer new
         tokens than the others). The caller guarantees `cache.index + T <= cache.length`.
         Prefill is `extend` on an empty cache; decoding is `extend` with T = 1.
+        `fresh`: the cache is empty and each row's positions rise with its slots (a prefill's
+        first chunk), so the tokens attend to each other causally: a fused kernel
+        (`models.fused_attention`) takes them where there is one, not a [B, T, S] mask.
 
         The layers run unrolled (each layer reads its own cache buffer in place). Pass
         `layer_params` (from `self.layers.unstacked()`, made once) to avoid slicing the stacked
@@ -271,10 +275,18 @@ class Transformer(nnx.Module):
         q_pos = jnp.maximum(positions_bt, 0)
         # Keys: all slots after writing the new tokens; empty slots have position -1.
         slot_pos = jax.lax.dynamic_update_slice(cache.slot_pos, positions_bt, (0, cache.index))
-        mask_bts = (slot_pos[:, None, :] >= 0) & (slot_pos[:, None, :] <= q_pos[:, :, None])
         x = self._embed(input_ids_bt)
+        impl = fused_attention.resolve(self.config.attention)
+        rows = None
+        if fresh and fused_attention.takes(impl, False, False, self.config.attn_logit_softcap):
+            B, T = positions_bt.shape
+            rows = TreeRows(positions_bt >= 0, jnp.zeros((B, T), jnp.int32), jnp.zeros((B, T), jnp.int32),
+                            jnp.full((B, T), jnp.iinfo(jnp.int32).max), q_pos)
+            mask_bts = None
+        else:
+            mask_bts = (slot_pos[:, None, :] >= 0) & (slot_pos[:, None, :] <= q_pos[:, :, None])
         x, cache_k, cache_v = self._run_layers_cached(x, q_pos, mask_bts, slot_pos, cache,
-                                                      layer_params or self.layers.unstacked())
+                                                      layer_params or self.layers.unstacked(), rows, impl)
         return self._final_norm(x), KVCache(cache_k, cache_v, slot_pos, cache.index + T)
 
     def prefill(self, input_ids_bt, positions_bt, cache_length: int):
@@ -375,16 +387,25 @@ class Transformer(nnx.Module):
         x, _ = jax.lax.scan(layer, x, (self.layers.stacked(), jnp.asarray(c.layer_is_sliding)))
         return x
 
-    def _run_layers_cached(self, x, q_pos_bt, mask_bts, key_pos_bs, cache: KVCache, layer_params: tuple):
+    def _run_layers_cached(self, x, q_pos_bt, mask_bts, key_pos_bs, cache: KVCache, layer_params: tuple,
+                           rows: Optional[TreeRows] = None, impl: str = "xla"):
         """All layers, unrolled; each writes the new tokens' keys and values into its cache
-        buffer (in place under donation), then attends over that buffer."""
+        buffer (in place under donation), then attends over that buffer, or (`rows`: a fresh
+        cache) over the new tokens with a fused kernel."""
         c = self.config
         dtype = jnp.dtype(c.compute_dtype)
-        global_, local = self._masks_and_ropes(q_pos_bt, mask_bts, key_pos_bs)
+        if rows is None:
+            global_, local = self._masks_and_ropes(q_pos_bt, mask_bts, key_pos_bs)
+        else:
+            global_, local = ((*rope, None) for rope in self._ropes(q_pos_bt))
         cache_k, cache_v = [], []
         for p, is_sliding, k_buf, v_buf in zip(layer_params, c.layer_is_sliding, cache.k, cache.v):
             cos, sin, bias = local if is_sliding else global_
-            x, (k_buf, v_buf) = _decoder_layer(c, dtype, p, x, cos, sin, bias, (k_buf, v_buf, cache.index))
+            fused = None if rows is None else functools.partial(
+                fused_attention.attend, rows=rows, impl=impl, tree=False, scale=c.attn_scale,
+                softcap=c.attn_logit_softcap, window=c.sliding_window if is_sliding else None)
+            x, (k_buf, v_buf) = _decoder_layer(c, dtype, p, x, cos, sin, bias, (k_buf, v_buf, cache.index),
+                                               fused=fused)
             cache_k.append(k_buf)
             cache_v.append(v_buf)
         return x, tuple(cache_k), tuple(cache_v)
@@ -470,6 +491,9 @@ def _decoder_layer(c: ModelConfig, dtype, p: dict, x, cos, sin, bias_bts, cached
     attend = dict(scale=c.attn_scale, softcap=c.attn_logit_softcap, dtype=dtype)
     if fused is not None:
         kv = None
+        if cached is not None:  # a fresh cache: written, then the new tokens attend to each other
+            k_buf, v_buf, index = cached
+            kv = (_write_slots(k_buf, k.transpose(0, 2, 1, 3), index), _write_slots(v_buf, v.transpose(0, 2, 1, 3), index))
         attn = fused(q.astype(dtype), k.astype(dtype), v.astype(dtype))  # [B, T, N, H]
     elif cached is None:
         kv = None

@@ -3,8 +3,8 @@
 PORTool (Qwen2.5-7B-Instruct, Qwen3-1.7B): n = 8 rollout trees per query, up to 6 tool steps,
 a packed tree row of up to 8,192 tokens; one row per chip per micro-batch. SWiRL (Gemma-2-27B):
 a state of up to 4,096 tokens and its G = 4 sampled actions as branches of one row. Llama-3.1-8B:
-the PORTool shapes. The sampler decodes 64 rows per host (8 queries x 8 trees) over the row
-length; "-lora" variants train rank-16 adapters. No preset has a KL term (the papers use none
+the PORTool shapes. The sampler decodes 64 rows at once over the slice (8 queries x 8 trees; each
+host its share) with a cache as long as a row; "-lora" variants train rank-16 adapters. No preset has a KL term (the papers use none
 or a small one: add --kl).
 """
 from __future__ import annotations

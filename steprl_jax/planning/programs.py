@@ -8,7 +8,8 @@ programs of one online iteration at the run's shapes:
     reference    the frozen reference's log-prob forward (when the run has a KL term)
     transfer     trainer -> sampler: the reshard that gives every host a whole copy of the
                  weights split over its own chips (`training.distributed.SamplerBridge`)
-    prefill      the sampler's `extend` of one prompt chunk into the KV cache
+    prefill      the sampler's first prompt chunk into an empty KV cache (fused attention)
+    extend       a later chunk, or a tool's output, appended: attends over every cache slot
     decode       the sampler's decode loop (`generate`), one chunk of new tokens
     fork         a tree's fork: cache rows gathered (`Sampler.fork`)
 
@@ -20,12 +21,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import time
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 
 AXES = ("data", "fsdp", "tensor")
+PROGRAMS = ("train_step", "reference", "transfer", "prefill", "extend", "decode", "fork")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +36,7 @@ class Setup:
     """One run's shapes. `mesh` / `sampler_mesh`: axis sizes (missing axes 1; fsdp 0: the rest)."""
 
     model: str
-    batch: int = 8  # packed rows per train step (all micro-batches)
+    batch: int = 0  # packed rows per train step (all micro-batches); 0: one per chip
     length: int = 4096  # tokens per row
     tree: bool = True  # rows hold branches (PORTool trees, SWiRL's G actions, GRPO groups)
     lora_rank: int = 0
@@ -44,8 +47,8 @@ class Setup:
     attention: str = "auto"
     kl: bool = False
     mesh: tuple = (("fsdp", 0),)
-    sampler_mesh: tuple = (("tensor", 0),)  # over one host's chips
-    decode_batch: int = 0  # 0: no sampler programs
+    sampler_mesh: tuple = ()  # over one host's chips; (): tensor over the kv heads it divides, fsdp the rest
+    decode_batch: int = 0  # rows sampled at once over the slice, each host its share (0: no sampler)
     context: int = 0
     prefill_chunk: int = 512
     decode_chunk: int = 256
@@ -72,6 +75,10 @@ def _mesh(devices, sizes: dict):
 
 
 def _figures(compiled, seconds: float) -> dict:
+    if isinstance(compiled, OutOfMemory):  # what the compiler said; the rest is unknown
+        return {"arguments": 0, "outputs": 0, "donated": 0, "temporaries": compiled.temporaries,
+                "peak": compiled.temporaries, "flops": 0.0, "bytes_accessed": 0.0, "fused_kernels": 0,
+                "compile_seconds": round(seconds, 1), "out_of_memory": compiled.message}
     m = compiled.memory_analysis()
     cost = compiled.cost_analysis() or {}
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -85,9 +92,27 @@ def _figures(compiled, seconds: float) -> dict:
     return out
 
 
+class OutOfMemory(NamedTuple):
+    """A program the compiler refused: its temporaries alone exceed the chip's memory."""
+
+    message: str
+    temporaries: int
+
+
 def _compile(jitted, *args, keep=None, **kwargs) -> tuple:
+    import jax
+
     start = time.perf_counter()
-    compiled = jitted.lower(*args, **kwargs).compile()
+    lowered = jitted.lower(*args, **kwargs)
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        found = re.search(r"temporaries \(([\d.]+)([KMGT])", str(e))
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+        size = int(float(found.group(1)) * scale[found.group(2)]) if found else 0
+        return OutOfMemory(str(e).splitlines()[0][:300], size), time.perf_counter() - start
     if keep is not None:
         keep[0][keep[1]] = compiled
     return compiled, time.perf_counter() - start
@@ -137,7 +162,7 @@ def compile_run(setup: Setup, devices, host_devices, *, programs: Optional[set] 
     from steprl_jax.training.state import TrainState, split_model, train_state_shardings
     from steprl_jax.training.step import make_logprob_fn
 
-    wanted = programs or {"train_step", "reference", "transfer", "prefill", "decode", "fork"}
+    wanted = programs or set(PROGRAMS)
     sizes = mesh_sizes(setup.mesh, len(devices))
     mesh = _mesh(devices, sizes)
     cfg = (config or preset(setup.model)).replace(compute_dtype=setup.dtype, attention=setup.attention)
@@ -163,7 +188,8 @@ def compile_run(setup: Setup, devices, host_devices, *, programs: Optional[set] 
                 "trainable": _bytes_per_device(_unwrap(state.params), _unwrap(shardings.params)),
                 "optimizer_state": _bytes_per_device(_unwrap(state.opt_state), _unwrap(shardings.opt_state))}
     result["train_resident"] = resident
-    B, L = setup.batch, setup.length
+    B, L = setup.batch or len(devices), setup.length
+    result["batch"] = B
     row = lambda dt: jax.ShapeDtypeStruct((B, L), dt)  # noqa: E731
     tree = dict(positions=row(jnp.int32), branch_ids=row(jnp.int32), branch_ends=row(jnp.int32)) if setup.tree else {}
     rows = Batch(tokens=row(jnp.int32), loss_mask=row(jnp.float32), advantages=row(jnp.float32),
@@ -202,7 +228,9 @@ def _sampler_programs(setup, cfg, mesh, devices, host_devices, wanted, figures, 
     from steprl_jax.sampling.params import DecodeProgram, ExtendProgram
     from steprl_jax.training.distributed import host_split_spec
 
-    host = _mesh(host_devices, mesh_sizes(setup.sampler_mesh, len(host_devices)))
+    hosts = len({d.process_index for d in devices})
+    host = _mesh(host_devices, mesh_sizes(setup.sampler_mesh or _sampler_mesh(cfg, len(host_devices)),
+                                          len(host_devices)))
     # The sampler's model: plain weights (LoRA merged), matmul weights in the compute dtype.
     graphdef, sstate = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
     full = _unwrap(sstate)
@@ -225,7 +253,9 @@ def _sampler_programs(setup, cfg, mesh, devices, host_devices, wanted, figures, 
 
     shard = sampler_lib.cache_shardings(host, LOGICAL_AXIS_RULES, cfg.num_kv_heads)
     constrain = functools.partial(sampler_lib.constrain_cache, shard)
-    B, S = setup.decode_batch, setup.context
+    dp = sampler_lib.data_parallel(host, LOGICAL_AXIS_RULES)
+    B, S = -(-setup.decode_batch // (hosts * dp)) * dp, setup.context  # this host's rows
+    out["sampler_rows_per_host"] = B
     cache = jax.eval_shape(lambda: KVCache.init(cfg, B, S, dtype))
     sds = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)  # noqa: E731
     cache = KVCache(tuple(sds(x, shard[2]) for x in cache.k), tuple(sds(x, shard[2]) for x in cache.v),
@@ -246,7 +276,14 @@ def _sampler_programs(setup, cfg, mesh, devices, host_devices, wanted, figures, 
         extend = jax.jit(traced_under(host, functools.partial(sampler_lib._extend_impl, graphdef, constrain)),
                          static_argnames="program", donate_argnames="cache")
         figures["prefill"] = _figures(*_compile(extend, params, layer_params, cache, ids, ids,
-                                                program=ExtendProgram(B, T, S)))
+                                                program=ExtendProgram(B, T, S, fresh=True)))
+    if "extend" in wanted:  # a later chunk, or a tool's output appended: over every cache slot
+        T = min(setup.prefill_chunk, S)
+        ids = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=shard[1])
+        extend = jax.jit(traced_under(host, functools.partial(sampler_lib._extend_impl, graphdef, constrain)),
+                         static_argnames="program", donate_argnames="cache")
+        figures["extend"] = _figures(*_compile(extend, params, layer_params, cache, ids, ids,
+                                               program=ExtendProgram(B, T, S)))
     if "decode" in wanted:
         program = DecodeProgram(batch=B, cache_length=S, max_new=setup.decode_chunk, greedy=False, top_k=0,
                                 top_p=False, with_entropy=False, stop_ids=tuple(cfg.eos_token_ids) or (0,),
@@ -267,6 +304,13 @@ def _sampler_programs(setup, cfg, mesh, devices, host_devices, wanted, figures, 
     return out
 
 
+def _sampler_mesh(cfg, chips: int) -> tuple:
+    """Tensor parallel over as many chips as divide the kv heads (each keeps its heads' cache),
+    the rows split over the rest."""
+    tensor = int(np.gcd(cfg.num_kv_heads, chips))
+    return (("fsdp", chips // tensor), ("tensor", tensor))
+
+
 def phases(result: dict) -> dict:
     """Per-device bytes in each phase of an iteration, and the peak. The trainer's state and the
     sampler's weights stay resident; the KV cache lives while rolling out; each program adds its
@@ -285,7 +329,10 @@ def phases(result: dict) -> dict:
         shared = resident["parameters"] if result["setup"]["lora_rank"] else 0
         out["reference"] = trainer + weights + p["reference"]["peak"] - shared
     if weights:
-        out["rollout"] = trainer + weights + cache + max(extra("prefill"), extra("decode"), extra("fork"))
+        out["rollout"] = trainer + weights + cache + max(extra(n) for n in ("prefill", "extend", "decode", "fork"))
         out["transfer"] = trainer + weights + extra("transfer")
     out["peak"] = max(out.values())
+    refused = [name for name, f in p.items() if "out_of_memory" in f]
+    if refused:
+        out["refused_by_compiler"] = refused
     return out

@@ -57,7 +57,7 @@ class Target:
 
     @property
     def platform(self) -> str:
-        return "tpu" if self.topology else "cpu"
+        return "tpu" if self.topology else "gpu" if self.chip.kind in ("h100", "h200") else "cpu"
 
     @property
     def host_chips(self) -> int:
@@ -69,6 +69,15 @@ class Target:
     @property
     def hosts(self) -> int:
         return max(1, self.chips // self.host_chips)
+
+    def one_host(self) -> "Target":
+        """The slice of one host's chips (a sampler's devices: programs compile on their own
+        topology, whose device ids the compiler numbers from 0)."""
+        if self.hosts == 1:
+            return self
+        shape = _shape(self.host_chips, self.chip.dims)
+        return Target(f"{self.name} (one host)", self.chip, self.host_chips,
+                      f"{self.chip.kind}:" + "x".join(map(str, shape)))
 
 
 def _shape(chips: int, dims: int) -> list:
@@ -88,7 +97,7 @@ def _shape(chips: int, dims: int) -> list:
 
 def target(name: str) -> Target:
     """The `Target` of a cloud accelerator name, or "cpu"/"cpu-N" (N virtual devices, default 8),
-    or "h100-N"/"h200-N" (shapes only: see the README for GPU compilation)."""
+    or "h100-N"/"h200-N" (one host: N <= 8; compiled by the CUDA plugin, see `planning/gpu.py`)."""
     m = re.fullmatch(r"([a-z0-9]+)(?:-(\d+))?", name.strip().lower())
     if not m:
         raise ValueError(f"--target: {name!r} is not NAME-N (e.g. v5p-16, v5litepod-8, v6e-8, cpu-8)")
@@ -118,7 +127,14 @@ def libtpu_available() -> Optional[str]:
 
 
 def devices(t: Target):
-    """Compile-only devices for a TPU target (libtpu, no TPU needed)."""
+    """Compile-only devices for a TPU target (libtpu) or a GPU one (the CUDA plugin, one host of
+    up to 8 GPUs: `planning/gpu.py`); no accelerator needed."""
+    if t.platform == "gpu":
+        from steprl_jax.planning import gpu
+
+        if t.chips > 8:
+            raise ValueError(f"--target {t.name}: GPU plans cover one host (at most 8 GPUs)")
+        return gpu.devices(t.chip.kind, t.chips)
     from jax.experimental import topologies
 
     # libtpu looks for a TPU VM's metadata first; on any other host these keep it quiet. Several

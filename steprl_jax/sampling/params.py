@@ -94,6 +94,7 @@ class ExtendProgram:
     batch: int
     length: int  # new tokens per row (bucketed)
     cache_length: int
+    fresh: bool = False  # an empty cache (a prefill's first chunk): fused attention where there is one
 
 
 @dataclasses.dataclass(frozen=True)

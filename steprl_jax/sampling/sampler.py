@@ -70,6 +70,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from steprl_jax.models import fused_attention
 from steprl_jax.models.fused_attention import traced_under
 from steprl_jax.models.sharding import LOGICAL_AXIS_RULES, state_shardings
 from steprl_jax.models.transformer import KVCache, Transformer
@@ -164,7 +165,7 @@ def constrain_cache(shardings: tuple, cache: KVCache) -> KVCache:
 # ----------------------------------------------------------------------------- jitted kernels
 def _extend_impl(graphdef, constrain, params, layer_params, cache, ids_bt, pos_bt, *, program: ExtendProgram):
     model = nnx.merge(graphdef, params)
-    _, cache = model.extend(ids_bt, pos_bt, cache, layer_params)
+    _, cache = model.extend(ids_bt, pos_bt, cache, layer_params, fresh=program.fresh)
     return constrain(cache)
 
 
@@ -407,6 +408,9 @@ class Sampler:
             raise ValueError(f"min_decode_batch must be >= 1, got {min_decode_batch}")
         self.min_decode_batch = int(min_decode_batch)
         self.eos_ids = tuple(int(i) for i in self.config.eos_token_ids)
+        # A fresh cache's first chunk attends causally within itself: a fused kernel's case.
+        self._fused_prefill = fused_attention.takes(fused_attention.resolve(self.config.attention), False, False,
+                                                    self.config.attn_logit_softcap)
         self._graphdef, _ = nnx.split(model)
         self._token_bytes = None
         self._stop_tables: dict = {}
@@ -905,7 +909,7 @@ class Sampler:
             # Left-pad the chunk: padding slots come before the real tokens.
             ids_c[:, T - chunk:] = ids[:, lo:lo + chunk]
             pos_c[:, T - chunk:] = pos[:, lo:lo + chunk]
-            program = ExtendProgram(B, T, state.cache_length)
+            program = ExtendProgram(B, T, state.cache_length, fresh=index == 0 and self._fused_prefill)
             self._note("extend", program)
             cache = self._extend_jit(self._params, self._layer_params, cache, self._put_rows(ids_c),
                                      self._put_rows(pos_c), program=program)

@@ -258,7 +258,11 @@ def load_policy(config, source: Optional[str] = None, *, sampling: bool = False)
     mesh = train_mesh(mesh_config)
     if mesh is not None and sampling:
         mesh = mesh_of((mesh_config or {}).get("sampler", {}), jax.local_devices(), "config.mesh.sampler")
-    return load_pretrained(source or config.model.source, compute_dtype=config.model.compute_dtype, mesh=mesh)
+    model, tokenizer = load_pretrained(source or config.model.source, compute_dtype=config.model.compute_dtype,
+                                       mesh=mesh)
+    if config.model.get("attention"):  # which attention kernels (models/fused_attention.py)
+        model.config = model.config.replace(attention=config.model.attention)
+    return model, tokenizer
 
 
 def sampler_bridge(mesh_config) -> Optional[SamplerBridge]:
