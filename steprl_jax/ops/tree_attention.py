@@ -204,6 +204,19 @@ def _forward(q, k, v, qf_lanes, kf_sub, table, count, *, softcap, window, block_
 
 
 # --------------------------------------------------------------------------- backward
+def _tile_grads(a, b, d_a, d_b, ok, lse, di, softcap):
+    """(P, dS) of one tile, logits a @ b.T: queries x keys (a = q, d_a = dO, d_b = V) or, for
+    dk/dv, keys x queries (a = k, d_a = V, d_b = dO). dS = P * (dO V^T - rowsum(dO * O)), and
+    through the soft cap dS *= 1 - tanh^2."""
+    raw = _dot(a, b, _NT)
+    p = jnp.where(ok, jnp.exp(_logits(raw, softcap) - lse), 0.0)
+    ds = p * (_dot(d_a, d_b, _NT) - di)
+    if softcap is not None:
+        th = jnp.tanh(raw / softcap)
+        ds = ds * (1 - th * th)
+    return p, ds
+
+
 def _dq_kernel(table_ref, count_ref, q_ref, k_ref, v_ref, qf_ref, kf_ref, lse_ref, do_ref, di_ref, dq_ref, acc_sc,
                *, block_q, block_k, softcap, window, num_q, num_k):
     b, i, m = pl.program_id(0), pl.program_id(2), pl.program_id(3)
@@ -216,8 +229,6 @@ def _dq_kernel(table_ref, count_ref, q_ref, k_ref, v_ref, qf_ref, kf_ref, lse_re
     @pl.when(m < count_ref[b * num_q + i])
     def _run():
         q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-        raw = _dot(q, k, _NT)
-        s = _logits(raw, softcap)
         qf, kf = qf_ref[...], kf_ref[...]
         t_idx = i * block_q + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
         s_idx = j * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
@@ -225,12 +236,7 @@ def _dq_kernel(table_ref, count_ref, q_ref, k_ref, v_ref, qf_ref, kf_ref, lse_re
                       window)
         lse = jnp.expand_dims(lse_ref[0], -1)  # [bq, 1]
         di = jnp.expand_dims(di_ref[0], -1)
-        p = jnp.where(ok, jnp.exp(s - lse), 0.0)
-        dp = _dot(do, v, _NT)
-        ds = p * (dp - di)
-        if softcap is not None:
-            th = jnp.tanh(raw / softcap)
-            ds = ds * (1 - th * th)
+        _, ds = _tile_grads(q, k, do, v, ok, lse, di, softcap)
         acc_sc[...] += _dot(ds.astype(k.dtype), k, _NN)
 
     @pl.when(m == num_k - 1)
@@ -253,21 +259,13 @@ def _dkv_kernel(table_ref, count_ref, q_ref, k_ref, v_ref, qf_ref, kf_ref, lse_r
         q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
         # Transposed tile [bk, bq]: the query-side rows (log-sum-exp, di, fields) broadcast
         # along sublanes, the key-side ones along lanes.
-        raw = _dot(k, q, _NT)
-        s = _logits(raw, softcap)
         qf, kf = qf_ref[...], kf_ref[...]  # [8, bq], [bk, 128]
         s_idx = j * block_k + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
         t_idx = i * block_q + lax.broadcasted_iota(jnp.int32, (1, block_q), 1)
         ok = _visible(t_idx, s_idx, [qf[c:c + 1, :] for c in range(3)], [kf[:, c:c + 1] for c in range(4)],
                       window)
-        lse, di = lse_ref[:1, :], di_ref[:1, :]  # [1, bq]
-        p = jnp.where(ok, jnp.exp(s - lse), 0.0)
+        p, ds = _tile_grads(k, q, v, do, ok, lse_ref[:1, :], di_ref[:1, :], softcap)  # [bk, bq]
         dv_sc[...] += _dot(p.astype(do.dtype), do, _NN)
-        dp = _dot(v, do, _NT)
-        ds = p * (dp - di)
-        if softcap is not None:
-            th = jnp.tanh(raw / softcap)
-            ds = ds * (1 - th * th)
         dk_sc[...] += _dot(ds.astype(q.dtype), q, _NN)
 
     @pl.when((g == G - 1) & (m == num_q - 1))
