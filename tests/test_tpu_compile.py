@@ -1,8 +1,9 @@
-"""Deviceless TPU compilation (libtpu's compile-only devices, the `tpu` extra): a tiny model's
-train step on tree rows (the Pallas tree-attention kernel) and its decode chunk compile for a
-v5e 2x2 slice, and the compiled train step keeps FSDP's sharding: parameters gathered one layer
-at a time inside the layer loop, never all layers at once, and no chip holding the whole batch's
-activations."""
+"""Deviceless TPU compilation (libtpu's compile-only devices, the `tpu` extra): every program of a
+run compiles for a v5e 2x2 slice with a tiny model (the train step on tree rows with the Pallas
+tree-attention kernel, the reference forward, the weight transfer, the sampler's prefill through
+splash attention, extend, decode and fork; LoRA on plain rows through splash), and the compiled
+train step keeps FSDP's sharding: parameters gathered one layer at a time inside the layer loop,
+never all layers at once, and no chip holding the whole batch's activations."""
 import re
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 
 pytest.importorskip("libtpu", reason="libtpu is not installed (pip install -e '.[tpu]'): no TPU compiler here")
 
+import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from steprl_jax.models.config import ModelConfig  # noqa: E402
@@ -25,8 +27,9 @@ def compiled():
     config = ModelConfig.tiny("llama", num_layers=3, vocab_size=512)
     devices = targets.devices(targets.target("v5e-4"))
     keep = {}
-    plan = compile_run(Setup(model="tiny", batch=B, length=T, tree=True, decode_batch=4, context=T, attention="tpu"),
-                       devices, devices, programs={"train_step", "decode"}, config=config, keep=keep)
+    with jax.default_matmul_precision("default"):  # the suite's "highest" is refused by Mosaic for bf16
+        plan = compile_run(Setup(model="tiny", batch=B, length=T, tree=True, decode_batch=4, context=T,
+                                 attention="tpu", kl=True), devices, devices, config=config, keep=keep)
     return config, plan, keep
 
 
@@ -36,19 +39,30 @@ def _all_gathers(hlo: str):
     return [(dtype, tuple(int(d) for d in dims.split(",") if d)) for dtype, dims in found]
 
 
-def test_train_step_and_decode_compile_with_the_fused_kernels(compiled):
+def test_every_program_compiles_with_the_fused_kernels(compiled):
     _, plan, _ = compiled
-    train, decode = plan["programs"]["train_step"], plan["programs"]["decode"]
-    assert train["fused_kernels"] >= 3  # the tree kernel's forward, dq and dk/dv
-    assert train["temporaries"] > 0 and decode["arguments"] > 0
-    assert plan["attention"] == "tpu"
+    programs = plan["programs"]
+    assert set(programs) == {"train_step", "reference", "transfer", "prefill", "extend", "decode", "fork"}
+    assert programs["train_step"]["fused_kernels"] >= 3  # the tree kernel's forward, dq and dk/dv
+    assert programs["reference"]["fused_kernels"] >= 1 and programs["prefill"]["fused_kernels"] >= 1
+    assert programs["train_step"]["temporaries"] > 0 and programs["decode"]["arguments"] > 0
+    assert plan["attention"] == "tpu" and plan["phases"]["peak"] >= programs["train_step"]["peak"]
+
+
+def test_lora_on_plain_rows_compiles_through_splash_attention():
+    config = ModelConfig.tiny("gemma2", num_layers=2)  # sliding window and soft cap
+    devices = targets.devices(targets.target("v5e-4"))
+    with jax.default_matmul_precision("default"):
+        plan = compile_run(Setup(model="tiny", batch=B, length=T, tree=False, lora_rank=4, attention="tpu"),
+                           devices, devices, programs={"train_step"}, config=config)
+    assert plan["programs"]["train_step"]["fused_kernels"] >= 2 and plan["trainable_parameters"] < 20_000
 
 
 def test_fsdp_gathers_one_layer_at_a_time_and_no_chip_holds_the_whole_batch(compiled):
     config, _, keep = compiled
     program = keep["train_step"]
     hlo = program.as_text()
-    stacked = {tuple(x.shape) for x in __import__("jax").tree.leaves(
+    stacked = {tuple(x.shape) for x in jax.tree.leaves(
         nnx.state(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))).layers))}
     gathers = _all_gathers(hlo)
     assert gathers, "an FSDP train step gathers its parameters"

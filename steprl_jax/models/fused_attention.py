@@ -116,8 +116,11 @@ def _splash(q_bnth, k_bksh, v_bksh, rows: TreeRows, *, softcap, window, interpre
     segments = jnp.where(rows.valid, rows.segment, -1).astype(jnp.int32)
     one_head = lambda q, k, v, s: kernel(q, k, v, segment_ids=splash.SegmentIds(s, s))  # noqa: E731
     per_row = jax.vmap(one_head, in_axes=(0, 0, 0, None))  # over kv heads
-    with jax.default_matmul_precision("default"):  # Mosaic refuses bf16 products at "highest"
-        out = jax.vmap(per_row)(q_bnth.reshape(B, K, G, T, H), k_bksh, v_bksh, segments)
+    if not interpret and str(jax.config.jax_default_matmul_precision).lower() in ("highest", "float32"):
+        # its backward is traced where no `with` of ours reaches, so say it rather than fail in Mosaic
+        raise ValueError("splash attention: Mosaic refuses bf16 products at the 'highest' matmul precision "
+                         "(jax_default_matmul_precision); leave it unset, or set model.attention=xla")
+    out = jax.vmap(per_row)(q_bnth.reshape(B, K, G, T, H), k_bksh, v_bksh, segments)
     return out.reshape(B, N, T, H)
 
 
