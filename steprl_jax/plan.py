@@ -68,7 +68,8 @@ def plan(target_name: str, setup, programs: set = frozenset()) -> dict:
     result = compile_run(setup, devices, host, programs=set(programs) or None)
     chip = target.chip
     result["target"] = {"name": target.name, "chip": chip.kind, "chips": target.chips, "hosts": target.hosts,
-                        "topology": target.topology or f"{target.chips} virtual CPU devices",
+                        "topology": target.topology or (f"{target.chips} compile-only GPU(s)" if target.platform == "gpu"
+                                                        else f"{target.chips} virtual CPU devices"),
                         "compiler": {"tpu": "TPU (libtpu, compile-only devices)",
                                      "gpu": "XLA:GPU (CUDA plugin, compile-only devices; autotuning off, "
                                             "cuDNN workspace not counted)"}.get(
@@ -84,15 +85,20 @@ def plan(target_name: str, setup, programs: set = frozenset()) -> dict:
 
 
 def smallest_slice(chip: str, setup, programs: set = frozenset(), most_chips: int = 256) -> dict:
-    """The plan on the smallest slice of `chip` the run fits, from the TPU compiler: slices tried
-    from the smallest that can hold the trainer's state upwards (`tried` lists each)."""
+    """The plan on the smallest slice of `chip` (a TPU or GPU kind) the run fits, from its
+    compiler: slices tried from the smallest that can hold the trainer's state upwards (`tried`
+    lists each); GPUs up to one host of 8."""
     from steprl_jax.models.presets import count_params, preset
     from steprl_jax.planning import targets
 
     kind = targets.target(chip + "-8").chip
+    if not kind.hbm:
+        raise ValueError(f"--target {chip}: give the device count (cpu-N); only accelerators are searched")
+    if targets.target(chip + "-8").platform == "gpu":
+        most_chips = min(most_chips, 8)  # GPU plans cover one host
     n = count_params(preset(setup.model))
     state = n * (4 if setup.lora_rank else 12)  # float32 weights (+ Adam's two moments when all are trained)
-    chips = 1 if kind.dims == 2 else 4
+    chips = 4 if kind.dims == 3 else 1  # v4/v5p slices start at 4 chips; v5e/v6e and GPUs at 1
     while chips * kind.hbm < state and chips < most_chips:
         chips *= 2
     tried = []
@@ -125,8 +131,10 @@ def _print(r: dict) -> None:
           f"{'TFLOP':>9}{'GB accessed':>12}{'roofline (estimate)':>21}")
     for name, f in r["programs"].items():
         roof = f"{f['roofline_seconds'] * 1e3:10.1f} ms" if "roofline_seconds" in f else ""
+        cost = (f"{f['flops'] / 1e12:>9.2f}{f['bytes_accessed'] / 1e9:>12.2f}" if f.get("cost_analysis", True)
+                else f"{'n/a':>9}{'n/a':>12}")  # XLA:GPU's deviceless compile gives no cost analysis
         print(f"  {name:<11}{f['compile_seconds']:>8.1f}s{g(f['arguments']):>13}{g(f['temporaries']):>13}"
-              f"{g(f['peak']):>13}{f['flops'] / 1e12:>9.2f}{f['bytes_accessed'] / 1e9:>12.2f}{roof:>21}")
+              f"{g(f['peak']):>13}{cost}{roof:>21}")
     res = r["train_resident"]
     print(f"  resident: trainer parameters {g(res['parameters'])}, optimizer state {g(res['optimizer_state'])}"
           + "".join(f", sampler {k} {g(v)}" for k, v in r.get("sampler_resident", {}).items()))
@@ -158,7 +166,8 @@ def parse(argv=None):
 
     p = argparse.ArgumentParser(prog="python -m steprl_jax.plan", description=__doc__.split("\n")[0])
     p.add_argument("--target", default="cpu-8", help="v5e-8, v5litepod-16, v5p-16, v6e-8, v4-8, ... or cpu-N; "
-                                                     "a chip alone (v5e, v5p, ...): the smallest slice the run fits")
+                                                     "h100-N, h200-N (N <= 8); a chip alone (v5e, v5p, h100, ...): the smallest slice "
+                                                     "the run fits")
     p.add_argument("--preset", default="", help=f"a paper's set-up: {', '.join(presets.PRESETS)}")
     p.add_argument("--model", default="", help="a model preset (steprl_jax.models.presets)")
     p.add_argument("--mesh", default="", help="trainer mesh, e.g. fsdp=0 (0: every device left), data=2,fsdp=0")

@@ -85,7 +85,7 @@ def _figures(compiled, seconds: float) -> dict:
     out = {"arguments": int(m.argument_size_in_bytes), "outputs": int(m.output_size_in_bytes),
            "donated": int(m.alias_size_in_bytes), "temporaries": int(m.temp_size_in_bytes),
            "flops": float(cost.get("flops", 0.0)), "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
-           "compile_seconds": round(seconds, 1)}
+           "compile_seconds": round(seconds, 1), "cost_analysis": bool(cost)}
     out["peak"] = out["arguments"] + out["outputs"] - out["donated"] + out["temporaries"]
     text = compiled.as_text() or ""
     out["fused_kernels"] = text.count("tpu_custom_call") + text.count("__cudnn$fmha")
