@@ -86,7 +86,8 @@ check_plan() {  # refuse a slice the plan says the run does not fit (FORCE=1: go
 import json, sys
 plan = json.load(open(sys.argv[1]))
 target = plan["target"]
-if target["name"] != sys.argv[2]:
+same = lambda name: name.replace("v5litepod", "v5e").replace("v5lite", "v5e")  # one slice, two names
+if same(target["name"]) != same(sys.argv[2]):
     print("was planned for %s, not %s" % (target["name"], sys.argv[2]))
 elif not plan["fits"]:
     print("needs %.1f GiB per chip; a %s chip has %.0f" % (plan["phases"]["peak"] / 2**30, target["chip"],

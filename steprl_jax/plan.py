@@ -143,6 +143,9 @@ def _print(r: dict) -> None:
     for name, f in r["programs"].items():
         if "out_of_memory" in f:
             print(f"  {name}: the compiler refused it: {f['out_of_memory']}")
+    if "sampler_mesh" in r:  # the run's own defaults differ (one device samples): say what this plan assumed
+        sampler = " ".join(f"--config.mesh.sampler.{a}={n}" for a, n in r["sampler_mesh"].items() if n > 1)
+        print(f"  run it as planned with --config.mesh.fsdp=-1 {sampler}".rstrip())
     hbm = t["hbm_per_chip"]
     if hbm:
         print(f"  {t['chip']} has {hbm / GIB:.0f} GiB per chip: "

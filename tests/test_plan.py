@@ -65,3 +65,24 @@ def test_plan_refuses_a_bad_mesh_an_unknown_model_and_a_bad_target(tmp_path):
     assert wrong.returncode == 2 and "tpu9" in wrong.stderr
     preset = run("--preset", "portool-gpt")
     assert preset.returncode == 2 and "portool-qwen2.5-7b" in preset.stderr
+
+
+def test_phases_add_up_what_each_phase_holds():
+    from steprl_jax.planning.programs import phases
+
+    G = 1 << 30
+    program = lambda peak, temps, outs=0, donated=0: dict(peak=peak, temporaries=temps, outputs=outs,  # noqa: E731
+                                                          donated=donated)
+    result = {"setup": {"lora_rank": 0},
+              "train_resident": {"parameters": 2 * G, "trainable": 2 * G, "optimizer_state": 4 * G},
+              "sampler_resident": {"weights": 1 * G, "kv_cache": 3 * G},
+              "programs": {"train_step": program(10 * G, 3 * G), "reference": program(3 * G, 1 * G),
+                           "transfer": program(3 * G, 1 * G, 1 * G), "decode": program(4 * G, 2 * G),
+                           "fork": program(6 * G, 0, 3 * G)}}
+    got = phases(result)
+    # a KL term with full fine-tuning keeps a frozen copy (2 GiB) resident beside the trainer (6 GiB)
+    assert got["train"] == 1 * G + 10 * G + 2 * G
+    assert got["reference"] == 8 * G + 1 * G + 3 * G - 2 * G
+    assert got["rollout"] == 8 * G + 1 * G + 3 * G + 3 * G  # the fork's new cache beside the old one
+    assert got["transfer"] == 8 * G + 1 * G + 2 * G
+    assert got["peak"] == max(v for k, v in got.items() if k != "peak")

@@ -121,22 +121,25 @@ def test_a_query_with_nothing_visible_gets_zero_and_no_nan():
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in vjp(jnp.ones_like(out)))
 
 
-@pytest.mark.parametrize("family", ["gemma2"])
-def test_a_model_with_fused_attention_equals_the_xla_path(family):
+@pytest.mark.parametrize("T", [96, 384])
+def test_a_model_with_fused_attention_equals_the_xla_path(T):
     """Tree rows (the tree kernel) and plain rows (splash attention), sliding window and soft cap
-    included (Gemma 2), padded to the kernels' 128-token tiles inside."""
-    cfg = ModelConfig.tiny(family)
+    included (Gemma 2): one tile after padding to 128 tokens (96), and several tiles of a length
+    the preferred tiles do not divide (384: 128-token tiles)."""
+    cfg = ModelConfig.tiny("gemma2")
     ref, fused = (Transformer(cfg.replace(attention=a), rngs=nnx.Rngs(0)) for a in ("xla", "tpu_interpret"))
-    B, T = 2, 96
+    B, a, b = 2, T * 5 // 12, T * 9 // 12  # three branches: the prefix, 1, and 2 (1's sibling)
     ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T)))
     node = np.zeros((B, T), int)
-    node[:, 40:70], node[:, 70:] = 1, 2
+    node[:, a:b], node[:, b:] = 1, 2
     end = np.where(node == 0, 3, node + 1)
     valid = np.ones((B, T), bool)
-    valid[1, 85:] = False
-    pos = np.concatenate([np.arange(40), 40 + np.arange(30), 40 + np.arange(26)])[None].repeat(B, 0)
+    valid[1, T - 11:] = False
+    pos = np.concatenate([np.arange(a), a + np.arange(b - a), a + np.arange(T - b)])[None].repeat(B, 0)
     tree = dict(attention_mask_bt=valid, positions_bt=pos, branch_ids_bt=node, branch_ends_bt=end)
-    for kw in (tree, dict(attention_mask_bt=valid)):
+    for kw, kernel_name in ((tree, "tree_attention_fwd"), (dict(attention_mask_bt=valid), "splash")):
+        jaxpr = str(jax.make_jaxpr(lambda i: fused.hidden_states(i, **kw))(ids))
+        assert "pallas_call" in jaxpr and kernel_name in jaxpr  # the kernel ran, not a fallback
         loss = lambda m: jnp.sum(m.hidden_states(ids, **kw) * valid[..., None] * 0.01)  # noqa: E731
         (l1, g1), (l2, g2) = (nnx.value_and_grad(loss)(m) for m in (ref, fused))
         h1, h2 = ref.hidden_states(ids, **kw), fused.hidden_states(ids, **kw)
@@ -159,7 +162,7 @@ def test_a_fused_prefill_samples_what_the_xla_path_samples():
         _, gens = sampler.generate(state, jax.random.key(0), max_new_tokens=8, params=SamplingParams(greedy=True),
                                    stop_token_ids=())
         runs.append(gens)
-    assert sampler._fused_prefill
+    assert any(kind == "extend" and program.fresh for kind, program in sampler._programs)  # the fused prefill ran
     for a, b in zip(*runs):
         assert list(a.tokens) == list(b.tokens)
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)

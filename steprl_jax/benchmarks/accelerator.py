@@ -125,7 +125,7 @@ def bench_attention(cfg, rows: int, length: int, reps: int = 5) -> dict:
 
         row = {}
         for name, fn in (("fused", fused), ("xla", dense)):
-            if name == "fused" and not fused_attention.takes(impl, tree, False, None):
+            if name == "fused" and not fused_attention.takes(impl, tree, False, None, "bfloat16"):
                 continue
             grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32)), (0, 1, 2)))
             try:

@@ -37,6 +37,7 @@ from steprl_jax.ops.tree_attention import TreeRows, tree_attention
 LANE = 128
 # Kernel tiles: 512 queries x 512 keys for splash (its published defaults on v5e/v5p are
 # 512-1024); 256 x 256 for trees, finer so that sibling branches leave whole tiles hidden.
+# (A row's padded length picks the largest of these, then 256 and 128, that divides it.)
 SPLASH_BLOCK = 512
 TREE_BLOCK = 256
 
@@ -48,13 +49,21 @@ def resolve(name: str) -> str:
     return {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}.get(jax.default_backend(), "xla")
 
 
-def takes(impl: str, tree: bool, segments: bool, softcap: Optional[float]) -> bool:
-    """Whether `impl` has a fused kernel for a full-sequence row of this kind."""
+def takes(impl: str, tree: bool, segments: bool, softcap: Optional[float], dtype: str,
+          right_padded: bool = True) -> bool:
+    """Whether `impl` has a fused kernel for a full-sequence row of this kind: TPU for every
+    row; GPU for right-padded causal rows (the packer's; not the sampler's left-padded chunks)
+    without segments or a soft cap, in bf16 (cuDNN's case)."""
     if impl in ("tpu", "tpu_interpret"):
         return True
-    if impl == "gpu":  # right-padded causal rows (the packer's), no soft cap: cuDNN's case
-        return not tree and not segments and softcap is None
+    if impl == "gpu":
+        return not tree and not segments and softcap is None and right_padded and dtype == "bfloat16"
     return False
+
+
+def _block(length: int, sizes: tuple) -> int:
+    """The largest of `sizes` that divides `length` (a multiple of 128), else `length`."""
+    return next((b for b in sizes if length % b == 0), length)
 
 
 def attend(q_btnh, k_btkh, v_btkh, rows: TreeRows, *, impl: str, tree: bool, window: Optional[int],
@@ -92,9 +101,9 @@ def _cudnn(q_bnth, k_bksh, v_bksh, rows: TreeRows, *, window):
 
 
 def _tree(q, k, v, rows, *, softcap, window, interpret):
-    T = q.shape[2]
-    return tree_attention(q, k, v, rows, softcap=softcap, window=window, block_q=min(TREE_BLOCK, T),
-                          block_k=min(TREE_BLOCK, T), interpret=interpret)
+    block = _block(q.shape[2], (TREE_BLOCK, LANE))
+    return tree_attention(q, k, v, rows, softcap=softcap, window=window, block_q=block, block_k=block,
+                          interpret=interpret)
 
 
 def _splash(q_bnth, k_bksh, v_bksh, rows: TreeRows, *, softcap, window, interpret):
@@ -108,7 +117,7 @@ def _splash(q_bnth, k_bksh, v_bksh, rows: TreeRows, *, softcap, window, interpre
     G = N // K
     mask = (masks.LocalMask((T, T), window_size=(window - 1, 0), offset=0) if window
             else masks.CausalMask((T, T)))
-    block = min(SPLASH_BLOCK, T)
+    block = _block(T, (SPLASH_BLOCK, 256, LANE))
     sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                               block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
     kernel = splash.make_splash_mqa_single_device(masks.MultiHeadMask([mask] * G), block_sizes=sizes,
@@ -116,7 +125,8 @@ def _splash(q_bnth, k_bksh, v_bksh, rows: TreeRows, *, softcap, window, interpre
     segments = jnp.where(rows.valid, rows.segment, -1).astype(jnp.int32)
     one_head = lambda q, k, v, s: kernel(q, k, v, segment_ids=splash.SegmentIds(s, s))  # noqa: E731
     per_row = jax.vmap(one_head, in_axes=(0, 0, 0, None))  # over kv heads
-    if not interpret and str(jax.config.jax_default_matmul_precision).lower() in ("highest", "float32"):
+    if (not interpret and q_bnth.dtype != jnp.float32
+            and str(jax.config.jax_default_matmul_precision).lower() in ("highest", "float32")):
         # its backward is traced where no `with` of ours reaches, so say it rather than fail in Mosaic
         raise ValueError("splash attention: Mosaic refuses bf16 products at the 'highest' matmul precision "
                          "(jax_default_matmul_precision); leave it unset, or set model.attention=xla")

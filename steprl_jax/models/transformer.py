@@ -243,7 +243,7 @@ class Transformer(nnx.Module):
         x = self._embed(input_ids_bt)
         impl = fused_attention.resolve(self.config.attention)
         if fused_attention.takes(impl, node_bt is not None, segment_ids_bt is not None,
-                                 self.config.attn_logit_softcap):
+                                 self.config.attn_logit_softcap, self.config.compute_dtype):
             # A fused kernel builds the mask from these [B, T] arrays, tile by tile.
             no_tree = node_bt is None
             rows = TreeRows(valid_bt, segments_bt, jnp.zeros((B, T), jnp.int32) if no_tree else node_bt,
@@ -278,7 +278,8 @@ class Transformer(nnx.Module):
         x = self._embed(input_ids_bt)
         impl = fused_attention.resolve(self.config.attention)
         rows = None
-        if fresh and fused_attention.takes(impl, False, False, self.config.attn_logit_softcap):
+        if fresh and fused_attention.takes(impl, False, False, self.config.attn_logit_softcap,
+                                           self.config.compute_dtype, right_padded=False):
             B, T = positions_bt.shape
             rows = TreeRows(positions_bt >= 0, jnp.zeros((B, T), jnp.int32), jnp.zeros((B, T), jnp.int32),
                             jnp.full((B, T), jnp.iinfo(jnp.int32).max), q_pos)

@@ -221,11 +221,12 @@ def _sampler_programs(setup, cfg, mesh, devices, host_devices, wanted, figures, 
     from flax import nnx
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+    from steprl_jax.models import fused_attention
     from steprl_jax.models.fused_attention import traced_under
     from steprl_jax.models.sharding import LOGICAL_AXIS_RULES, state_shardings
     from steprl_jax.models.transformer import KVCache, Transformer
     from steprl_jax.sampling import sampler as sampler_lib
-    from steprl_jax.sampling.params import DecodeProgram, ExtendProgram
+    from steprl_jax.sampling.params import DecodeProgram, ExtendProgram, bucket
     from steprl_jax.training.distributed import host_split_spec
 
     hosts = len({d.process_index for d in devices})
@@ -270,20 +271,20 @@ def _sampler_programs(setup, cfg, mesh, devices, host_devices, wanted, figures, 
     params = {**params, "layers": jax.tree.map(  # the sampler keeps the unstacked copy only
         lambda x: jax.ShapeDtypeStruct((0,), x.dtype, sharding=replicated), params["layers"])}
     rows = lambda dt: jax.ShapeDtypeStruct((B,), dt, sharding=shard[0])  # noqa: E731
-    if "prefill" in wanted:
-        T = min(setup.prefill_chunk, S)
-        ids = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=shard[1])
-        extend = jax.jit(traced_under(host, functools.partial(sampler_lib._extend_impl, graphdef, constrain)),
-                         static_argnames="program", donate_argnames="cache")
-        figures["prefill"] = _figures(*_compile(extend, params, layer_params, cache, ids, ids,
-                                                program=ExtendProgram(B, T, S, fresh=True)))
-    if "extend" in wanted:  # a later chunk, or a tool's output appended: over every cache slot
-        T = min(setup.prefill_chunk, S)
-        ids = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=shard[1])
-        extend = jax.jit(traced_under(host, functools.partial(sampler_lib._extend_impl, graphdef, constrain)),
-                         static_argnames="program", donate_argnames="cache")
-        figures["extend"] = _figures(*_compile(extend, params, layer_params, cache, ids, ids,
-                                               program=ExtendProgram(B, T, S)))
+    # The sampler's chunks (Sampler._chunks, its default byte budget): a fresh cache's first chunk
+    # through the fused kernel when there is one, later chunks (and tool outputs) over every slot.
+    chunk = bucket(sampler_lib.extend_chunk(setup.prefill_chunk, 1 << 30, 16, B, cfg.num_heads, S), 16)
+    fused_first = fused_attention.takes(cfg.attention, False, False, cfg.attn_logit_softcap, cfg.compute_dtype,
+                                        right_padded=False)
+    extend = jax.jit(traced_under(host, functools.partial(sampler_lib._extend_impl, graphdef, constrain)),
+                     static_argnames="program", donate_argnames="cache")
+    for name, T, fresh in (("prefill", min(setup.prefill_chunk, S) if fused_first else chunk, fused_first),
+                           ("extend", chunk, False)):
+        if name in wanted:
+            ids = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=shard[1])
+            figures[name] = _figures(*_compile(extend, params, layer_params, cache, ids, ids,
+                                               program=ExtendProgram(B, T, S, fresh=fresh)))
+            figures[name]["tokens"] = T
     if "decode" in wanted:
         program = DecodeProgram(batch=B, cache_length=S, max_new=setup.decode_chunk, greedy=False, top_k=0,
                                 top_p=False, with_entropy=False, stop_ids=tuple(cfg.eos_token_ids) or (0,),
@@ -318,16 +319,18 @@ def phases(result: dict) -> dict:
     p = result["programs"]
     resident = result["train_resident"]
     trainer = resident["parameters"] + resident["optimizer_state"]
+    full_reference = "reference" in p and not result["setup"]["lora_rank"]
+    if full_reference:  # full fine-tuning with a KL term keeps a frozen copy of the start beside it
+        trainer += resident["trainable"]
     sampler = result.get("sampler_resident", {})
     weights, cache = sampler.get("weights", 0), sampler.get("kv_cache", 0)
     extra = lambda name: (p[name]["temporaries"] + max(p[name]["outputs"] - p[name]["donated"], 0)  # noqa: E731
                           if name in p else 0)
     out = {}
     if "train_step" in p:  # its arguments are the trainer's state and the batch
-        out["train"] = weights + p["train_step"]["peak"]
-    if "reference" in p:  # its arguments: a frozen copy (full fine-tuning) or the trainer's own base (LoRA)
-        shared = resident["parameters"] if result["setup"]["lora_rank"] else 0
-        out["reference"] = trainer + weights + p["reference"]["peak"] - shared
+        out["train"] = weights + p["train_step"]["peak"] + (resident["trainable"] if full_reference else 0)
+    if "reference" in p:  # its arguments: the frozen copy (counted in `trainer`) or the trainer's own base (LoRA)
+        out["reference"] = trainer + weights + p["reference"]["peak"] - resident["parameters"]
     if weights:
         out["rollout"] = trainer + weights + cache + max(extra(n) for n in ("prefill", "extend", "decode", "fork"))
         out["transfer"] = trainer + weights + extra("transfer")

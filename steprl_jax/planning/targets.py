@@ -141,7 +141,7 @@ def devices(t: Target):
     # processes may compile at once (no chip is opened): lift libtpu's one-process lock.
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    os.environ.setdefault("TPU_ACCELERATOR_TYPE", f"{t.chip.kind.replace('v5e', 'v5litepod')}-{t.chips}")
+    os.environ["TPU_ACCELERATOR_TYPE"] = f"{t.chip.kind.replace('v5e', 'v5litepod')}-{t.chips}"
     n = t.host_chips
     per_host = {1: (1, 1, 1), 2: (1, 2, 1), 4: (2, 2, 1), 8: (2, 4, 1)}[n]
     # v4's two TensorCores per chip act as one device ("megacore"), as on a v4 VM.

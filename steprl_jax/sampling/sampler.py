@@ -129,6 +129,15 @@ def is_matmul_weight(path) -> bool:
     return "layers" in names and names[-1] in _MATMUL_WEIGHTS or names[-1] == "lm_head"
 
 
+def extend_chunk(prefill_chunk: int, attention_bytes: int, min_extend: int, batch: int, heads: int,
+                 slots: int) -> int:
+    """Tokens per `extend` chunk: at most `prefill_chunk`, and few enough that one layer's
+    float32 logits [batch, heads, chunk, slots] stay under `attention_bytes` (a power of two, at
+    least `min_extend`)."""
+    fits = attention_bytes // (4 * batch * heads * slots)
+    return max(min_extend, min(prefill_chunk, 1 << max(int(fits), 1).bit_length() - 1))
+
+
 # ----------------------------------------------------------------------------- sharding
 def _batch_axes(mesh, rules: dict):
     axes = rules["batch"]
@@ -410,7 +419,8 @@ class Sampler:
         self.eos_ids = tuple(int(i) for i in self.config.eos_token_ids)
         # A fresh cache's first chunk attends causally within itself: a fused kernel's case.
         self._fused_prefill = fused_attention.takes(fused_attention.resolve(self.config.attention), False, False,
-                                                    self.config.attn_logit_softcap)
+                                                    self.config.attn_logit_softcap, self.config.compute_dtype,
+                                                    right_padded=False)
         self._graphdef, _ = nnx.split(model)
         self._token_bytes = None
         self._stop_tables: dict = {}
@@ -543,7 +553,7 @@ class Sampler:
             # Compute the common prefix once (one row), copy its cache to every row, then append
             # each row's own rest: same values as prefilling every row, a fraction of the work.
             rest = max(p.size for p in prompts) - shared
-            slots_needed = (sum(self._chunks(shared - 1, self._batch_bucket(1), length)[1])
+            slots_needed = (sum(self._chunks(shared - 1, self._batch_bucket(1), length, self._fused_prefill)[1])
                             + sum(self._chunks(rest, self._batch_bucket(len(prompts)), length)[1]))
             reserve = min(bucket(max(length, slots_needed), self.min_cache_length), self.max_cache_length)
             state = self._prefill_rows([prompts[0][:shared]], reserve)  # `append` compacts if needed
@@ -873,11 +883,14 @@ class Sampler:
                 gen.stop_string, gen.text_after_stop, text = which, text[end:], text[:end]
         gen.text = text
 
-    def _chunks(self, total: int, batch: int, slots: int) -> tuple[list, list]:
-        """How `_feed` cuts `total` new tokens: (chunk sizes, their bucketed widths in slots)."""
-        fits = self.prefill_attention_bytes // (4 * batch * self.config.num_heads * slots)
-        chunk = max(self.min_extend_length, min(self.prefill_chunk, 1 << max(int(fits), 1).bit_length() - 1))
-        sizes = [min(chunk, total - lo) for lo in range(0, total, chunk)]
+    def _chunks(self, total: int, batch: int, slots: int, fresh: bool = False) -> tuple[list, list]:
+        """How `_feed` cuts `total` new tokens: (chunk sizes, their bucketed widths in slots).
+        `fresh` (an empty cache, fused prefill): the first chunk builds no [B, N, T, S] logits,
+        so only `prefill_chunk` bounds it."""
+        chunk = extend_chunk(self.prefill_chunk, self.prefill_attention_bytes, self.min_extend_length, batch,
+                             self.config.num_heads, slots)
+        first = min(total, self.prefill_chunk if fresh else chunk)
+        sizes = [first] + [min(chunk, total - lo) for lo in range(first, total, chunk)]
         return sizes, [bucket(c, self.min_extend_length) for c in sizes]
 
     def _feed(self, state: SamplerState, feeds: Sequence[np.ndarray], start_positions) -> SamplerState:
@@ -888,7 +901,7 @@ class Sampler:
             return state
         B = state.batch_bucket
         slots = max(state.cache_length, bucket(state.index + total, self.min_cache_length))
-        sizes, widths = self._chunks(total, B, slots)
+        sizes, widths = self._chunks(total, B, slots, fresh=state.index == 0 and self._fused_prefill)
         state, available = self._ensure_capacity(state, sum(widths))
         if available < sum(widths):  # at the cache cap: no bucket padding
             state, available = self._ensure_capacity(state, total)
