@@ -273,7 +273,7 @@ def _sampler_programs(setup, cfg, mesh, devices, host_devices, wanted, figures, 
     rows = lambda dt: jax.ShapeDtypeStruct((B,), dt, sharding=shard[0])  # noqa: E731
     # The sampler's chunks (Sampler._chunks, its default byte budget): a fresh cache's first chunk
     # through the fused kernel when there is one, later chunks (and tool outputs) over every slot.
-    chunk = bucket(sampler_lib.extend_chunk(setup.prefill_chunk, 1 << 30, 16, B, cfg.num_heads, S), 16)
+    chunk = min(S, bucket(sampler_lib.extend_chunk(setup.prefill_chunk, 1 << 30, 16, B, cfg.num_heads, S), 16))
     fused_first = fused_attention.takes(cfg.attention, False, False, cfg.attn_logit_softcap, cfg.compute_dtype,
                                         right_padded=False)
     extend = jax.jit(traced_under(host, functools.partial(sampler_lib._extend_impl, graphdef, constrain)),
