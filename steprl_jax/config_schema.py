@@ -84,6 +84,10 @@ def names(*choices, **kw) -> Field:
 
 
 DTYPES = ("float32", "bfloat16")
+# Rematerialisation policies (models.transformer.remat_policy): ours and jax.checkpoint_policies'
+# usual ones; "none" keeps every activation.
+REMAT_POLICIES = ("qkvo_saveable", "nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable",
+                  "everything_saveable", "none")
 # models.config.ATTENTION_IMPLEMENTATIONS (not imported: checking a config starts no JAX)
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "tpu", "tpu_interpret", "gpu")
 LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "query_token_mean")  # algorithms/tree_rows.py
@@ -120,7 +124,9 @@ def _judge_fields(prefix: str, jobs: tuple, rule_keys: bool) -> dict:
 def _micro_batching(prefix: str, jobs: tuple) -> dict:
     """How a training stage splits a batch into micro-batches (the same gradient either way)."""
     return {f"{prefix}.num_microbatches": integer(1, jobs=jobs),
-            f"{prefix}.max_microbatch_tokens": integer(0, jobs=jobs, note="0: exactly num_microbatches")}
+            f"{prefix}.max_microbatch_tokens": integer(0, jobs=jobs, note="0: exactly num_microbatches"),
+            f"{prefix}.remat": text(*REMAT_POLICIES, jobs=jobs, optional=True,
+                                    note="what the backward pass keeps; default qkvo_saveable")}
 
 
 # ----------------------------------------------------------------------------- the table

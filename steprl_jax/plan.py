@@ -143,9 +143,11 @@ def _print(r: dict) -> None:
     for name, f in r["programs"].items():
         if "out_of_memory" in f:
             print(f"  {name}: the compiler refused it: {f['out_of_memory']}")
-    if "sampler_mesh" in r:  # the run's own defaults differ (one device samples): say what this plan assumed
-        sampler = " ".join(f"--config.mesh.sampler.{a}={n}" for a, n in r["sampler_mesh"].items() if n > 1)
-        print(f"  run it as planned with --config.mesh.fsdp=-1 {sampler}".rstrip())
+    flags = ["--config.mesh.fsdp=-1"]  # the run's own defaults differ (one device samples): say what was assumed
+    flags += [f"--config.mesh.sampler.{a}={n}" for a, n in r.get("sampler_mesh", {}).items() if n > 1]
+    if s["remat"] != "qkvo_saveable":
+        flags.append(f"--config.rl.remat={s['remat'] or 'none'} (SWiRL: --config.swirl.train.remat)")
+    print("  run it as planned with " + " ".join(flags))
     hbm = t["hbm_per_chip"]
     if hbm:
         print(f"  {t['chip']} has {hbm / GIB:.0f} GiB per chip: "

@@ -318,3 +318,18 @@ def test_the_attention_choices_are_the_models():
     from steprl_jax.models.config import ATTENTION_IMPLEMENTATIONS
 
     assert config_schema.ATTENTION_IMPLEMENTATIONS == ATTENTION_IMPLEMENTATIONS
+
+
+def test_remat_is_a_known_policy_and_reaches_the_train_step():
+    from steprl_jax.algorithms.offline import remat_of
+    from steprl_jax.models.transformer import remat_policy
+
+    config = load("portool_toolworld")
+    config.rl.remat = "nothing_saveable"
+    config_schema.check(config)
+    assert remat_of(config.rl) == "nothing_saveable" and remat_of(config.rl.warm_start) == "qkvo_saveable"
+    config.rl.remat = "none"
+    assert remat_of(config.rl) is None
+    assert "config.rl.remat" in refused(with_value(config, "rl.remat", "keep_it_all"))
+    for name in config_schema.REMAT_POLICIES[:-1]:
+        remat_policy(name)  # every choice the schema offers is a policy the model knows

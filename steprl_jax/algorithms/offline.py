@@ -70,6 +70,13 @@ class OfflineSpec:
     needs_policy: bool = False  # build samples from the current parameters (a copy: the step donates them)
     attention_length: float = 0.0  # > 0: rows regrouped to the cheapest layout (training/pack.py)
     max_microbatch_tokens: int = 0  # > 0: more micro-batches when a batch needs them (TrainStepConfig)
+    remat: Optional[str] = "qkvo_saveable"  # what the backward pass keeps (TrainStepConfig)
+
+
+def remat_of(section) -> Optional[str]:
+    """A training section's `remat` (default "qkvo_saveable"; "none": keep every activation)."""
+    name = section.get("remat", "qkvo_saveable") or "qkvo_saveable"
+    return None if name == "none" else name
 
 
 def items_at(items: Sequence[Any], start: int, count: int, seed: int) -> list:
@@ -168,7 +175,8 @@ def train_offline(spec: OfflineSpec, model, *, workdir: str, seed: int, ref_para
         start = int(position["update"])
         log.info("%s: resumed at update %d (step %d)", spec.name, start, int(state.step))
     step_fn = make_train_step(graphdef, tx, TrainStepConfig(loss=spec.loss, num_microbatches=spec.num_microbatches,
-                                                                  max_microbatch_tokens=spec.max_microbatch_tokens),
+                                                                  max_microbatch_tokens=spec.max_microbatch_tokens,
+                                                                  remat=spec.remat),
                               schedule=lr_schedule(spec.optimizer), mesh=mesh, state_shardings=shardings)
     logprob_fn = make_logprob_fn(graphdef, temperature=spec.loss.temperature,
                                  mesh=mesh) if spec.loss.kl_coef > 0 else None

@@ -48,7 +48,7 @@ from steprl_jax.agents.records import TreeRecord
 from steprl_jax.agents.tasks import build_suite
 from steprl_jax.agents.tree_batch import judged_tree
 from steprl_jax.algorithms.offline import (copy_model, export_adapters, export_policy, items_at, lora_fields,
-                                           optimizer_config, train_on_rows, trainable_copy)
+                                           optimizer_config, remat_of, train_on_rows, trainable_copy)
 from steprl_jax.algorithms.rl import Algorithm, get_algorithm
 from steprl_jax.algorithms.tree_rows import LOSS_AGGS, WEIGHTINGS
 from steprl_jax.algorithms.workdir import check_manifest
@@ -149,7 +149,7 @@ def warm_start(config, model, tokenizer):
                            optimizer_config(config, int(w.updates), float(w.learning_rate)),
                            batch_size=int(w.batch_size), updates=int(w.updates),
                            num_microbatches=int(w.num_microbatches), save_every=max(1, int(w.updates)),
-                           max_microbatch_tokens=int(w.max_microbatch_tokens),
+                           max_microbatch_tokens=int(w.max_microbatch_tokens), remat=remat_of(w),
                            attention_length=float(config.rl.attention_length))
         graphdef, state = train_offline(spec, model, workdir=config.workdir, seed=int(config.seed),
                                         progress=bool(config.progress), base_source=config.model.source,
@@ -210,7 +210,8 @@ class OnlineLoop:
             write_policy_file(self.ckpt.directory, base_source)
         self.step_fn = make_train_step(self.graphdef, tx, TrainStepConfig(
             loss=self.loss, num_microbatches=int(self.rl.num_microbatches),
-            max_microbatch_tokens=int(self.rl.max_microbatch_tokens)), schedule=lr_schedule(self.optimizer),
+            max_microbatch_tokens=int(self.rl.max_microbatch_tokens), remat=remat_of(self.rl)),
+            schedule=lr_schedule(self.optimizer),
             mesh=self.mesh, state_shardings=shardings)
         self.ref_params = None
         self.logprob_fn = None

@@ -36,7 +36,7 @@ from steprl_jax.agents.records import RecordStore, Trajectory
 from steprl_jax.agents.tasks import build_suite
 from steprl_jax.algorithms import sft as sft_lib
 from steprl_jax.algorithms.offline import (OfflineSpec, export_adapters, export_policy, lora_fields, optimizer_config,
-                                           train_offline, update_key)
+                                           remat_of, train_offline, update_key)
 from steprl_jax.algorithms.rl import policy_temperature
 from steprl_jax.algorithms.workdir import (IncompatibleRunError, check_manifest, key_differences, mark_stage,
                                            reopen_stage, stage_marker)
@@ -499,7 +499,7 @@ def train(config, model, tokenizer) -> dict:
     spec = OfflineSpec("swirl", units, builder, loss, optimizer_config(config, steps), batch_size=int(t.batch_size),
                        updates=int(t.updates), ppo_epochs=int(t.ppo_epochs), minibatches=int(t.minibatches),
                        num_microbatches=int(t.num_microbatches), save_every=int(t.save_every),
-                       max_microbatch_tokens=int(t.max_microbatch_tokens),
+                       max_microbatch_tokens=int(t.max_microbatch_tokens), remat=remat_of(t),
                        min_rows=int(t.batch_size), needs_policy=True)
     ref = None
     if spec.loss.kl_coef > 0:
@@ -529,7 +529,7 @@ def sft(config, model, tokenizer) -> dict:
     spec = OfflineSpec("sft", groups, lambda items, update, policy: (sft_lib.sft_rows(items), {}),
                        sft_lib.LOSS, optimizer_config(config, updates), batch_size=int(s.batch_size), updates=updates,
                        num_microbatches=int(s.num_microbatches), save_every=int(config.swirl.train.save_every),
-                       max_microbatch_tokens=int(s.max_microbatch_tokens))
+                       max_microbatch_tokens=int(s.max_microbatch_tokens), remat=remat_of(s))
     graphdef, state = train_offline(spec, model, workdir=config.workdir, seed=int(config.seed),
                                     progress=bool(config.progress), base_source=config.model.source,
                                     mesh_config=config.get("mesh"), lora_config=LoraConfig.from_config(config.get("lora")))

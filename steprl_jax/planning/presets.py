@@ -13,8 +13,11 @@ import dataclasses
 
 from steprl_jax.planning.programs import Setup
 
-_PORTOOL = dict(length=8192, tree=True, decode_batch=64, context=8192)
-_SWIRL = dict(length=4096, tree=True, decode_batch=64, context=4096)
+# Rows this long keep only each layer's input for the backward pass (`remat`; the run's
+# --config.rl.remat / --config.swirl.train.remat): the projections' outputs of every layer of an
+# 8,192-token row would take as much memory again.
+_PORTOOL = dict(length=8192, tree=True, decode_batch=64, context=8192, remat="nothing_saveable")
+_SWIRL = dict(length=4096, tree=True, decode_batch=64, context=4096, remat="nothing_saveable")
 
 _BASE = {
     "portool-qwen2.5-7b": Setup(model="qwen2.5-7b", **_PORTOOL),
