@@ -176,6 +176,16 @@ def _specs_common(block_q, block_k, G, H, num_q, num_k, transposed=False):
     return q_map, kv_map, query
 
 
+def _cost(q, k, matmuls: int) -> pl.CostEstimate:
+    """What a kernel declares to XLA's cost analysis (which cannot see inside it): `matmuls`
+    [T, T/2] x H products per query head (the causal half; hidden tiles skipped make it less),
+    an exponential per logit, q, k, v and the output read or written once."""
+    B, N, T, H = q.shape
+    logits = B * N * T * T // 2
+    return pl.CostEstimate(flops=2 * matmuls * logits * H, transcendentals=logits,
+                           bytes_accessed=2 * (q.size + 2 * k.size) * q.dtype.itemsize)
+
+
 def _forward(q, k, v, qf_lanes, kf_sub, table, count, *, softcap, window, block_q, block_k, interpret):
     B, N, T, H = q.shape
     K = k.shape[1]
@@ -198,7 +208,7 @@ def _forward(q, k, v, qf_lanes, kf_sub, table, count, *, softcap, window, block_
         kernel, grid_spec=grid,
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, N, T, LANES), jnp.float32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
-        interpret=interpret, name="tree_attention_fwd",
+        interpret=interpret, name="tree_attention_fwd", cost_estimate=_cost(q, k, 2),
     )(table.reshape(-1), count.reshape(-1), q, k, v, qf_lanes, kf_sub)
     return o, lse[..., 0]
 
@@ -301,7 +311,7 @@ def _backward(q, k, v, o, lse, do, fields, tables, *, softcap, window, block_q, 
             scratch_shapes=[pltpu.VMEM((block_q, H), jnp.float32)]),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
-        interpret=interpret, name="tree_attention_dq",
+        interpret=interpret, name="tree_attention_dq", cost_estimate=_cost(q, k, 3),
     )(table.reshape(-1), count.reshape(-1), q, k, v, qf_lanes, kf_sub, lse8, do, di8)
 
     q_map_t, kv_map_t, query = _specs_common(block_q, block_k, G, H, num_q, num_k, transposed=True)
@@ -325,7 +335,7 @@ def _backward(q, k, v, o, lse, do, fields, tables, *, softcap, window, block_q, 
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary", "arbitrary")),
-        interpret=interpret, name="tree_attention_dkv",
+        interpret=interpret, name="tree_attention_dkv", cost_estimate=_cost(q, k, 4),
     )(table_t.reshape(-1), count_t.reshape(-1), q, k, v, qf_sub, kf_lanes, lse8, do, di8)
     return dq, dk, dv
 
