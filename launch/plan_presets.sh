@@ -23,18 +23,22 @@ for pair in "${pairs[@]}"; do
 done
 "$PY" - <<'PY'
 import glob, json
-print("| preset | slice (smallest that fits, from the compiler) | per-chip peak | HBM | fits | tried | "
-      "train step: compile, temporaries, roofline (estimate) |")
-print("|---|---|---|---|---|---|---|")
+
+from steprl_jax.models.presets import preset
+from steprl_jax.planning import roofline, targets
+
+print("| preset | smallest slice it fits (TPU compiler) | per-chip peak | fits | slices tried (peak GiB) | "
+      "train step: temporaries, roofline (estimate) |")
+print("|---|---|---|---|---|---|")
 for f in sorted(glob.glob("runs/plans/presets/*.json")):
     r = json.load(open(f))
-    if "target" not in r:
-        continue
     t, p = r["target"], r["programs"].get("train_step", {})
+    if "roofline_seconds" not in p or "model_flops" not in p:  # plans written before the estimate
+        target = targets.target(t["name"])
+        roofline.estimate(r, preset(r["setup"]["model"]), target.chip, target.chips, target.one_host().chips)
     tried = ", ".join(f"{x['target']} {x['peak'] / 2**30:.0f}" for x in r.get("tried", [])[:-1]) or "-"
-    step = (f"{p['compile_seconds']:.0f} s, {p['temporaries'] / 2**30:.1f} GiB, "
-            f"{p.get('roofline_seconds', 0) * 1e3:.0f} ms") if p else ""
+    step = f"{p['temporaries'] / 2**30:.1f} GiB, {p.get('roofline_seconds', 0):.2f} s" if p else ""
     print(f"| {f.split('/')[-1].rsplit('.', 2)[0]} | {t['name']} ({t['chips']} chips, {t['hosts']} host(s)) | "
-          f"{r['phases']['peak'] / 2**30:.1f} GiB | {t['hbm_per_chip'] / 2**30:.0f} GiB | "
+          f"{r['phases']['peak'] / 2**30:.1f} of {t['hbm_per_chip'] / 2**30:.0f} GiB | "
           f"{'yes' if r['fits'] else 'NO'} ({r['used']:.0%}) | {tried} | {step} |")
 PY

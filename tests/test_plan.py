@@ -86,3 +86,23 @@ def test_phases_add_up_what_each_phase_holds():
     assert got["rollout"] == 8 * G + 1 * G + 3 * G + 3 * G  # the fork's new cache beside the old one
     assert got["transfer"] == 8 * G + 1 * G + 2 * G
     assert got["peak"] == max(v for k, v in got.items() if k != "peak")
+
+
+def test_the_roofline_counts_every_layer_of_a_step():
+    """The estimate counts the model's work (XLA's cost analysis counts a scanned body once): a
+    train step without remat is three passes of 2 x matmul parameters x tokens plus attention."""
+    from steprl_jax.models.presets import preset
+    from steprl_jax.planning import roofline
+    from steprl_jax.planning.targets import CHIPS
+
+    cfg = preset("llama-3.2-1b")
+    n = roofline.matmul_parameters(cfg)
+    assert n == 16 * (2048 * 64 * (2 * 32 + 2 * 8) + 3 * 2048 * 8192) + 128256 * 2048
+    result = {"setup": {"length": 1024, "remat": None}, "batch": 8,
+              "train_resident": {"trainable": 4 * n, "optimizer_state": 8 * n},
+              "programs": {"train_step": {}}}
+    roofline.estimate(result, cfg, CHIPS["v5p"], chips=4, host_chips=4)
+    step = result["programs"]["train_step"]
+    attention = 4 * 16 * 32 * 64 * 2 * 1024 * 512
+    assert step["model_flops"] == 3 * (2 * n * 2 * 1024 + attention)
+    assert step["roofline_seconds"] == max(step["model_flops"] / 459e12, step["model_bytes"] / 2765e9)
