@@ -112,6 +112,9 @@ def smallest_slice(chip: str, setup, programs: set = frozenset(), most_chips: in
         if result["fits"]:
             result["tried"] = tried
             return result
+        if len(tried) >= 3 and tried[-1]["peak"] > 0.95 * tried[-2]["peak"] > 0.95 ** 2 * tried[-3]["peak"]:
+            raise ValueError(f"the run fits no {chip} slice: its per-chip memory stopped falling with more chips "
+                             f"(what every chip holds whole: rows, sampler weights per host): {tried}")
         chips *= 2
     raise ValueError(f"the run fits no {chip} slice up to {most_chips} chips: {tried}")
 
