@@ -5,7 +5,8 @@ while loop), so its flops are far below what a step does; here each program's wo
 from the architecture instead, and its time is max(flops / peak bf16 rate, bytes / HBM bandwidth)
 on the chip's published figures (`targets.py`):
 
-  train step  forward + backward (3 matmul passes) + the forward again under remat (4), each
+  train step  forward, backward (two matmul passes: activations and weights; one with LoRA,
+              whose frozen weights need no gradient) and under remat the forward again, each
               2 x matmul parameters x tokens; attention 4 x layers x heads x head dim x T^2 / 2
               per pass and row (the causal half; tree rows skip more, so this is an upper bound);
               bytes: the layer weights gathered for each pass (bf16) and the optimizer's update
@@ -36,7 +37,7 @@ def program_costs(result: dict, cfg, chips: int, host_chips: int) -> dict:
     n = matmul_parameters(cfg)
     rows_chip = result["batch"] / chips
     T = s["length"]
-    passes = 3 + (1 if s["remat"] else 0)
+    passes = 1 + (1 if s.get("lora_rank") else 2) + (1 if s["remat"] else 0)
     trained = result["train_resident"]["trainable"] + result["train_resident"]["optimizer_state"]
     out = {}
     forward = lambda rows: 2 * n * rows * T + _attention_flops(cfg, rows, T, T / 2)  # noqa: E731
