@@ -7,19 +7,22 @@
                      with it) for causal rows with packed segments and Gemma's sliding window;
                      `ops.tree_attention` for packed tree rows (branches see their ancestors)
     "tpu_interpret"  the same kernels in Pallas interpret mode: runs anywhere, slowly (tests)
-    "gpu"            cuDNN's fused attention through `jax.nn.dot_product_attention` for causal
-                     rows without segments; packed and tree rows take the "xla" path (cuDNN
-                     takes no per-row mask)
+    "gpu"            cuDNN's fused attention through `jax.nn.dot_product_attention` for
+                     right-padded bf16 causal rows without segments or soft cap (the packer's
+                     plain rows); tree rows, the sampler's left-padded chunks and the rest take
+                     the portable path with a boolean mask (cuDNN takes no per-row mask)
     "auto"           "tpu" on TPU, "gpu" on GPU, "xla" elsewhere (the default device's platform)
 
-Mosaic kernels are not partitioned by XLA, so on a mesh they run inside `shard_map`: the batch
-over the rules' batch axes, the heads over "tensor" when both head counts divide. The mesh is
+Mosaic kernels are not partitioned by XLA (and XLA's cuDNN partitioner wants q, k and v sharded
+alike), so on a mesh every kernel runs inside `shard_map`: the batch over the rules' batch axes,
+the heads over "tensor" when both head counts divide. The mesh is
 the one in context (`jax.sharding.use_abstract_mesh`, which the train step and the sampler set
 while they trace); without one the kernel sees the whole array.
 
 The kernels take the same [B, T] arrays as `models.attention.tree_mask` (`TreeRows`), never a
-[B, T, S] mask. On TPU a row is padded to a multiple of 128 tokens (the lane width) for the
-kernel and cut back after.
+[B, T, S] mask; accelerators never get a float32 [B, T, S] bias (the cached path's masks stay
+boolean). On TPU a row is padded to a multiple of 128 tokens (the lane width) for the kernel and
+cut back after; tiles are the largest of 512 (splash) or 256 (trees), 256 and 128 that divide it.
 """
 from __future__ import annotations
 
