@@ -70,15 +70,9 @@ _CUDNN = (9, 10, 0)
 
 def why_not() -> Optional[str]:
     """None when the CUDA plugin (which holds XLA's GPU compiler) is installed here, else why not."""
-    import importlib.util
+    from steprl_jax.planning.targets import not_installed
 
-    for plugin in ("jax_cuda12_plugin", "jax_cuda13_plugin"):
-        try:
-            if importlib.util.find_spec(plugin) is not None:
-                return None
-        except (ImportError, ValueError):
-            continue
-    return "the JAX CUDA plugin is not installed (pip install -e \".[gpu]\" works on a CPU host)"
+    return not_installed(("jax_cuda12_plugin", "jax_cuda13_plugin"), "the JAX CUDA plugin", "gpu")
 
 
 def target_config(chip: str) -> str:

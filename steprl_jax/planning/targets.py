@@ -117,13 +117,23 @@ def target(name: str) -> Target:
     return Target(name, chip, chips, topology)
 
 
+def not_installed(modules: tuple, what: str, extra: str) -> Optional[str]:
+    """None when one of `modules` can be imported here (looked up, not imported: an optional
+    compiler stays out of the process until it is used), else a line naming the extra."""
+    import importlib.util
+
+    for module in modules:
+        try:
+            if importlib.util.find_spec(module) is not None:
+                return None
+        except (ImportError, ValueError):
+            continue
+    return f"{what} is not installed (pip install -e \".[{extra}]\" works on a CPU host)"
+
+
 def libtpu_available() -> Optional[str]:
     """None when libtpu can compile here, else why not (one line)."""
-    try:
-        import libtpu  # noqa: F401
-    except ImportError:
-        return "libtpu is not installed (pip install -e \".[tpu]\" works on a CPU host)"
-    return None
+    return not_installed(("libtpu",), "libtpu", "tpu")
 
 
 def devices(t: Target):
