@@ -342,45 +342,42 @@ class Transformer(nnx.Module):
         return (cos_g, sin_g, bias(mask_bts)), (cos_l, sin_l, bias(window_mask))
 
     def _run_layers(self, x, q_pos_bt, mask_bts, key_pos_bs, remat: Optional[str] = None, key_blocks=None):
-        """All layers under `lax.scan` over the stacked parameters (no cache)."""
-        c = self.config
-        dtype = jnp.dtype(c.compute_dtype)
+        """All layers, attention over a precomputed [B, T, S] mask (the "xla" path)."""
         global_, local = self._masks_and_ropes(q_pos_bt, mask_bts, key_pos_bs)
-
-        def layer(h, xs):
-            p, is_sliding = xs
-            p = self.layers.layer_weights(p)  # LoRA: merged one layer at a time
-            cos, sin, bias = (jnp.where(is_sliding, l_, g_) for l_, g_ in zip(local, global_))
-            h, _ = _decoder_layer(c, dtype, p, h, cos, sin, bias, None, key_blocks)
-            return h, None
-
-        if remat is not None:
-            layer = jax.checkpoint(layer, policy=remat_policy(remat), prevent_cse=False)
-        x, _ = jax.lax.scan(layer, x, (self.layers.stacked(), jnp.asarray(c.layer_is_sliding)))
-        return x
+        bias = lambda is_sliding: jnp.where(is_sliding, local[2], global_[2])  # noqa: E731
+        return self._scan_layers(x, (global_[:2], local[:2]), remat,
+                                 lambda is_sliding: dict(bias_bts=bias(is_sliding), key_blocks=key_blocks))
 
     def _run_layers_fused(self, x, q_pos_bt, rows: TreeRows, impl: str, tree: bool, remat: Optional[str] = None):
-        """All layers under `lax.scan`, attention by a fused kernel (`models.fused_attention`).
-        Gemma's sliding layers pick the windowed kernel with a `lax.cond` (the window is part
-        of a kernel's static mask)."""
+        """All layers, attention by a fused kernel (`models.fused_attention`). Gemma's sliding
+        layers pick the windowed kernel with a `lax.cond` (the window is part of a kernel's
+        static mask)."""
         c = self.config
-        dtype = jnp.dtype(c.compute_dtype)
-        global_, local = self._ropes(q_pos_bt)
         attend = functools.partial(fused_attention.attend, rows=rows, impl=impl, tree=tree, scale=c.attn_scale,
                                    softcap=c.attn_logit_softcap)
-        sliding = any(c.layer_is_sliding)
+
+        def fused(is_sliding):
+            if not any(c.layer_is_sliding):
+                return functools.partial(attend, window=None)
+            return lambda q, k, v: jax.lax.cond(is_sliding, functools.partial(attend, window=c.sliding_window),
+                                                functools.partial(attend, window=None), q, k, v)
+
+        return self._scan_layers(x, self._ropes(q_pos_bt), remat,
+                                 lambda is_sliding: dict(bias_bts=None, fused=fused(is_sliding)))
+
+    def _scan_layers(self, x, ropes, remat: Optional[str], attention_for):
+        """All layers under `lax.scan` over the stacked parameters (no cache). `ropes`: the
+        (global, local) (cos, sin); `attention_for(is_sliding)`: a layer's attention arguments of
+        `_decoder_layer` (its mask, or a fused kernel)."""
+        c = self.config
+        dtype = jnp.dtype(c.compute_dtype)
+        global_, local = ropes
 
         def layer(h, xs):
             p, is_sliding = xs
             p = self.layers.layer_weights(p)  # LoRA: merged one layer at a time
             cos, sin = (jnp.where(is_sliding, l_, g_) for l_, g_ in zip(local, global_))
-            if sliding:
-                fused = lambda q, k, v: jax.lax.cond(  # noqa: E731
-                    is_sliding, functools.partial(attend, window=c.sliding_window),
-                    functools.partial(attend, window=None), q, k, v)
-            else:
-                fused = functools.partial(attend, window=None)
-            h, _ = _decoder_layer(c, dtype, p, h, cos, sin, None, None, fused=fused)
+            h, _ = _decoder_layer(c, dtype, p, h, cos, sin, cached=None, **attention_for(is_sliding))
             return h, None
 
         if remat is not None:

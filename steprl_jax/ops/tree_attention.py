@@ -371,6 +371,8 @@ def _attend_fwd(q, k, v, rows, softcap, window, block_q, block_k, interpret):
 
 
 def _attend_bwd(softcap, window, block_q, block_k, interpret, res, do):
+    # The field layouts and block tables are rebuilt from `rows` rather than kept from the
+    # forward: a few [B, T]-sized passes, against [B, T, 128] residuals per layer.
     q, k, v, o, lse, rows = res
     dq, dk, dv = _backward(q, k, v, o, lse, do, _layouts(rows), _tables(rows, block_q, block_k, window),
                            softcap=softcap, window=window, block_q=block_q, block_k=block_k, interpret=interpret)

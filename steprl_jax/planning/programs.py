@@ -151,11 +151,10 @@ def compile_run(setup: Setup, devices, host_devices, *, programs: Optional[set] 
     import jax.numpy as jnp
     import optax
     from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec
 
     from steprl_jax.models import lora
     from steprl_jax.models.presets import preset
-    from steprl_jax.models.sharding import LOGICAL_AXIS_RULES, batch_sharding, state_shardings
+    from steprl_jax.models.sharding import LOGICAL_AXIS_RULES, batch_sharding
     from steprl_jax.models.transformer import Transformer
     from steprl_jax.training import LossConfig, TrainStepConfig, make_train_step
     from steprl_jax.training.batch import Batch
@@ -183,9 +182,9 @@ def compile_run(setup: Setup, devices, host_devices, *, programs: Optional[set] 
     result = {"setup": dataclasses.asdict(setup), "mesh": sizes, "devices": len(devices),
               "parameters": count(nnx.state(abstract, lora.Frozen)) if setup.lora_rank else count(params),
               "trainable_parameters": count(params), "attention": cfg.attention, "programs": {}}
-    resident = {"parameters": _bytes_per_device(_unwrap(state.params), _unwrap(shardings.params))
-                + _bytes_per_device(_unwrap(state.rest), _unwrap(shardings.rest)),
-                "trainable": _bytes_per_device(_unwrap(state.params), _unwrap(shardings.params)),
+    trainable = _bytes_per_device(_unwrap(state.params), _unwrap(shardings.params))
+    resident = {"parameters": trainable + _bytes_per_device(_unwrap(state.rest), _unwrap(shardings.rest)),
+                "trainable": trainable,
                 "optimizer_state": _bytes_per_device(_unwrap(state.opt_state), _unwrap(shardings.opt_state))}
     result["train_resident"] = resident
     B, L = setup.batch or len(devices), setup.length
@@ -222,14 +221,15 @@ def _sampler_programs(setup, cfg, mesh, devices, host_devices, wanted, figures, 
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     from steprl_jax.models import fused_attention
-    from steprl_jax.models.fused_attention import traced_under
     from steprl_jax.models.sharding import LOGICAL_AXIS_RULES, state_shardings
     from steprl_jax.models.transformer import KVCache, Transformer
     from steprl_jax.sampling import sampler as sampler_lib
     from steprl_jax.sampling.params import DecodeProgram, ExtendProgram, bucket
     from steprl_jax.training.distributed import host_split_spec
 
-    hosts = len({d.process_index for d in devices})
+    groups = {}  # the devices of each host (process)
+    for d in devices:
+        groups.setdefault(d.process_index, []).append(d)
     host = _mesh(host_devices, mesh_sizes(setup.sampler_mesh or _sampler_mesh(cfg, len(host_devices)),
                                           len(host_devices)))
     # The sampler's model: plain weights (LoRA merged), matmul weights in the compute dtype.
@@ -243,9 +243,6 @@ def _sampler_programs(setup, cfg, mesh, devices, host_devices, wanted, figures, 
 
     if "transfer" in wanted:
         # One reshard over every device: each host ends with a whole copy split over its chips.
-        groups = {}
-        for d in devices:
-            groups.setdefault(d.process_index, []).append(d)
         n = min(len(g) for g in groups.values())
         stacked = Mesh(np.asarray([g[:n] for g in groups.values()], dtype=object), ("process", "local"))
         src = _with_shardings(full, _unwrap(state_shardings(sstate, mesh, LOGICAL_AXIS_RULES)))
@@ -255,7 +252,7 @@ def _sampler_programs(setup, cfg, mesh, devices, host_devices, wanted, figures, 
     shard = sampler_lib.cache_shardings(host, LOGICAL_AXIS_RULES, cfg.num_kv_heads)
     constrain = functools.partial(sampler_lib.constrain_cache, shard)
     dp = sampler_lib.data_parallel(host, LOGICAL_AXIS_RULES)
-    B, S = -(-setup.decode_batch // (hosts * dp)) * dp, setup.context  # this host's rows
+    B, S = -(-setup.decode_batch // (len(groups) * dp)) * dp, setup.context  # this host's rows
     out["sampler_rows_per_host"] = B
     cache = jax.eval_shape(lambda: KVCache.init(cfg, B, S, dtype))
     sds = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)  # noqa: E731
@@ -276,8 +273,7 @@ def _sampler_programs(setup, cfg, mesh, devices, host_devices, wanted, figures, 
     chunk = min(S, bucket(sampler_lib.extend_chunk(setup.prefill_chunk, 1 << 30, 16, B, cfg.num_heads, S), 16))
     fused_first = fused_attention.takes(cfg.attention, False, False, cfg.attn_logit_softcap, cfg.compute_dtype,
                                         right_padded=False)
-    extend = jax.jit(traced_under(host, functools.partial(sampler_lib._extend_impl, graphdef, constrain)),
-                     static_argnames="program", donate_argnames="cache")
+    extend, decode, take = sampler_lib.jitted_programs(graphdef, host, constrain)
     for name, T, fresh in (("prefill", min(setup.prefill_chunk, S) if fused_first else chunk, fused_first),
                            ("extend", chunk, False)):
         if name in wanted:
@@ -289,8 +285,6 @@ def _sampler_programs(setup, cfg, mesh, devices, host_devices, wanted, figures, 
         program = DecodeProgram(batch=B, cache_length=S, max_new=setup.decode_chunk, greedy=False, top_k=0,
                                 top_p=False, with_entropy=False, stop_ids=tuple(cfg.eos_token_ids) or (0,),
                                 stop_states=0, max_context=S)
-        decode = jax.jit(traced_under(host, functools.partial(sampler_lib._decode_impl, graphdef, constrain)),
-                         static_argnames="program", donate_argnames="cache")
         unembed = jax.ShapeDtypeStruct((cfg.vocab_size, cfg.hidden_size), dtype, sharding=replicated)
         scalar = lambda dt: jax.ShapeDtypeStruct((), dt, sharding=shard[3])  # noqa: E731
         keys = jax.ShapeDtypeStruct((B, 2), jnp.uint32, sharding=shard[1])
@@ -300,7 +294,6 @@ def _sampler_programs(setup, cfg, mesh, devices, host_devices, wanted, figures, 
             scalar(jnp.float32), jax.ShapeDtypeStruct((1, cfg.vocab_size), jnp.int32, sharding=replicated),
             program=program, keep=(keep, "decode")))
     if "fork" in wanted:
-        take = jax.jit(functools.partial(sampler_lib._take_rows_impl, constrain))
         figures["fork"] = _figures(*_compile(take, rows(jnp.int32), cache, rows(jnp.int32)))
     return out
 

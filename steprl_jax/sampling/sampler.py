@@ -360,6 +360,17 @@ def _decode_impl(graphdef, constrain, params, layer_params, unembed_vd, cache, l
     return (c["cache"], c["tok"], c["out_tok"], c["out_lp"], c["out_ent"], c["n"], c["auto"], reason)
 
 
+def jitted_programs(graphdef, mesh, constrain) -> tuple:
+    """(extend, decode, take_rows): the sampler's jitted prefill/append, decode-loop and fork
+    programs, traced under `mesh` (the fused kernels read it there); the caches they take are
+    donated. One place for the Sampler and for the plans that compile its programs."""
+    extend = jax.jit(traced_under(mesh, functools.partial(_extend_impl, graphdef, constrain)),
+                     static_argnames="program", donate_argnames="cache")
+    decode = jax.jit(traced_under(mesh, functools.partial(_decode_impl, graphdef, constrain)),
+                     static_argnames="program", donate_argnames="cache")
+    return extend, decode, jax.jit(functools.partial(_take_rows_impl, constrain))
+
+
 # ----------------------------------------------------------------------------- the sampler
 class Sampler:
     """Prefill / generate / append / fork over a `Transformer`, with bucketed, jitted programs.
@@ -433,11 +444,7 @@ class Sampler:
         else:
             self._dp = 1
             constrain = _identity
-        self._extend_jit = jax.jit(traced_under(mesh, functools.partial(_extend_impl, self._graphdef, constrain)),
-                                   static_argnames="program", donate_argnames="cache")
-        self._decode_jit = jax.jit(traced_under(mesh, functools.partial(_decode_impl, self._graphdef, constrain)),
-                                   static_argnames="program", donate_argnames="cache")
-        self._take_rows_jit = jax.jit(functools.partial(_take_rows_impl, constrain))
+        self._extend_jit, self._decode_jit, self._take_rows_jit = jitted_programs(self._graphdef, mesh, constrain)
         self._resize_jit = jax.jit(functools.partial(_resize_impl, constrain), static_argnums=0)
         self._clear_jit = jax.jit(functools.partial(_clear_impl, constrain), donate_argnums=1)
         self._write_rows_jit = jax.jit(functools.partial(_write_rows_impl, constrain), static_argnums=0,
