@@ -144,14 +144,14 @@ def test_grpo_on_two_processes_equals_one_process(setup, tmp_path):
 
 
 def test_swirl_stage2_on_two_processes_equals_one_process(setup, tmp_path):
-    from steprl_jax.algorithms.swirl import units_path
+    from steprl_jax.algorithms.swirl import read_settings
     from steprl_jax.data.units import write_units
 
     tokenizer, model_dir, _, rewards = setup
     workdirs = {name: str(tmp_path / name) for name in ("one", "two")}
     for workdir in workdirs.values():  # the filtered units stage 2 reads (two trajectories of two steps)
         config = tiny_config(workdir)
-        write_units(units_path(config), hand_units(config, tokenizer))
+        write_units(read_settings(config).units_path, hand_units(config, tokenizer))
 
     def command(workdir):
         return [sys.executable, "-m", "steprl_jax.main", "--config=configs/swirl_arithmetic.py",

@@ -332,7 +332,8 @@ def e2e(tmp_path_factory, tok, server):
     model = tiny_model(tok, seed=0)
     initial = _params(model)
     summary = swirl.run(config, (model, tok))
-    return types.SimpleNamespace(workdir=str(workdir), config=config, model=model, initial=initial, summary=summary)
+    return types.SimpleNamespace(workdir=str(workdir), config=config, settings=swirl.read_settings(config), model=model,
+                                 initial=initial, summary=summary)
 
 
 def _files(workdir):
@@ -362,13 +363,13 @@ def test_every_stage_writes_its_outputs(e2e, tok):
     judged = RecordStore(os.path.join(w, "judged.jsonl")).load()
     assert all(len(t.judgements["process"]) == len(t.steps) and t.judgements["outcome"]["label"] for t in judged)
     stats = json.load(open(os.path.join(w, "units/none_trajectory.stats.json")))
-    assert stats["kept_units"] == sum(len(t.steps) for t in judged) == len(read_units(swirl.units_path(e2e.config)))
+    assert stats["kept_units"] == sum(len(t.steps) for t in judged) == len(read_units(e2e.settings.units_path))
     comparison = open(os.path.join(w, "comparison.md")).read()
     assert all(f"| {name} |" in comparison for name in ("base", "sft", "swirl"))
     assert os.path.getsize(os.path.join(w, "curves.png")) > 1000
     assert set(e2e.summary) == set(swirl.STAGES) and set(e2e.summary["eval"]) == {"base", "sft", "swirl"}
 
-    ids = jnp.asarray([list(read_units(swirl.units_path(e2e.config))[0].state_ids)[:32]])
+    ids = jnp.asarray([list(read_units(e2e.settings.units_path)[0].state_ids)[:32]])
     base_logits = np.asarray(e2e.model(ids))
     for name in ("swirl", "sft"):
         policy, policy_tok = load_pretrained(os.path.join(w, "policy", name))
@@ -381,7 +382,7 @@ def test_every_stage_writes_its_outputs(e2e, tok):
 
 def test_units_are_the_trajectories_tokens_and_logprobs(e2e):
     trajectories = {t.id: t for t in RecordStore(os.path.join(e2e.workdir, "trajectories.jsonl"))}
-    units = read_units(swirl.units_path(e2e.config))
+    units = read_units(e2e.settings.units_path)
     assert len(units) == sum(len(t.steps) for t in trajectories.values())
     temperature = swirl.policy_temperature(e2e.config)
     for unit in units:
@@ -451,8 +452,9 @@ def test_stage2_never_calls_a_tool(tmp_path, tok, monkeypatch):
     server = RewardServer(reply=lambda body: "No opinion.")
     try:
         config = tiny_config(tmp_path, reward_url=server.base_url, updates=1)
-        write_units(swirl.units_path(config), hand_units(config, tok))
-        out = swirl.train(config, chain_model(tok), tok)
+        settings = swirl.read_settings(config)
+        write_units(settings.units_path, hand_units(config, tok))
+        out = swirl.train(settings, chain_model(tok), tok)
     finally:
         server.close()
     assert out["updates"] == 1 and tool_runs == [] and executed == []
@@ -561,7 +563,7 @@ def test_sampler_and_reference_survive_donating_train_steps(tok, sft_setup):
 # ----------------------------------------------------------------------------- 8. bad input
 def test_a_corrupt_units_file_names_its_file_and_line(tmp_path, tok):
     config = tiny_config(tmp_path)
-    path = swirl.units_path(config)
+    path = swirl.read_settings(config).units_path
     write_units(path, hand_units(config, tok)[:3])
     good = open(path).read().splitlines()
     with open(path, "w") as f:
@@ -640,8 +642,9 @@ def test_an_unknown_config_field_fails_on_the_command_line(tmp_path):
 def test_a_reward_endpoint_that_is_down_drops_every_sample(tmp_path, tok):
     config = tiny_config(tmp_path, updates=1)
     config.reward = reward_config(f"http://127.0.0.1:{unused_port()}/v1", retries=1, timeout_s=2.0)
-    write_units(swirl.units_path(config), hand_units(config, tok))
-    out = swirl.train(config, tiny_model(tok, seed=8), tok)
+    settings = swirl.read_settings(config)
+    write_units(settings.units_path, hand_units(config, tok))
+    out = swirl.train(settings, tiny_model(tok, seed=8), tok)
     assert out["reward_stats"]["failed"] == 4 and out["reward_stats"].get("scored", 0) == 0
     assert out["reward_stats"]["failed/backend"] == 4
     (row,) = read_metrics(str(tmp_path))["swirl"]

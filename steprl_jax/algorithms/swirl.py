@@ -17,19 +17,24 @@ policy (one action, up to its closing tag), scores each with the reward model gi
 only (no golden answer), and trains the clipped token-level loss on the action tokens with RLOO
 (or group z-score) advantages. The G actions of a state are packed as branches of one row
 (training/pack.py): the state is computed once per group.
+
+The job (`run`) reads the ConfigDict once (`read_settings`) into a frozen `SwirlSettings`; every
+stage is `stage(settings, model, tokenizer, suite)` and never sees the ConfigDict.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import json
 import logging
 import os
 import time
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import jax
 import numpy as np
+from ml_collections import FrozenConfigDict
 from tqdm import tqdm
 
 from steprl_jax import failpoints
@@ -46,9 +51,12 @@ from steprl_jax.errors import ConfigError
 from steprl_jax.io import write_json_atomic
 from steprl_jax.models.lora import LoraConfig
 from steprl_jax.ops.advantages import group_advantages
-from steprl_jax.training import LossConfig, distributed
+from steprl_jax.training import LossConfig, OptimizerConfig, distributed
 from steprl_jax.training.learner import LearnerSettings
 from steprl_jax.training.pack import Row, Span
+
+if TYPE_CHECKING:
+    from steprl_jax.agents.rollout import RolloutConfig
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +66,98 @@ GRANULARITIES = ("trajectory", "step")
 ADVANTAGES = ("rloo", "zscore")  # the ops.advantages estimators stage 2 offers
 
 
-# ----------------------------------------------------------------------------- config helpers
+# ----------------------------------------------------------------------------- settings
 MULTI_PROCESS_STAGES = ("train", "sft")  # the stages that run across processes (jax.distributed)
+
+
+@dataclasses.dataclass(frozen=True)
+class JudgeSettings:
+    batch_size: int  # trajectories per judging call
+    samples_from_policy: bool  # a "local" outcome or process judge: it samples from the policy
+    judging: Callable  # (outcome_rule=, local_model=) -> judges.judging.Judging, built when the stage runs
+
+
+@dataclasses.dataclass(frozen=True)
+class FilterSettings:
+    strategy: str  # one of FILTERS
+    granularity: str  # one of GRANULARITIES
+    drop_easy: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSettings:
+    """Stage 2: offline step-wise RL."""
+    stage2: Stage2Settings  # without stop strings: they are the environment's, known once the suite is built
+    learner: LearnerSettings
+    batch_size: int  # states per update
+    updates: int
+    save_every: int
+    reward: dict  # config.reward (judges.rewards.build_reward_model)
+    reward_cache_dir: Optional[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class SftSettings:
+    """The SFT baseline. Its number of updates depends on the units, so its optimizer is made in the stage."""
+    epochs: int
+    batch_size: int  # trajectories per update
+    save_every: int
+    num_microbatches: int
+    max_microbatch_tokens: int
+    remat: Optional[str]
+    lora: Optional[LoraConfig]
+    optimizer: Callable[[int], OptimizerConfig]  # total train steps -> config.optimizer for that run
+
+
+@dataclasses.dataclass(frozen=True)
+class SwirlSettings:
+    """Everything the SWiRL job reads from its ConfigDict (`read_settings`); the stages take only this."""
+    workdir: str
+    stages: tuple  # the stages to run, in pipeline order
+    manifest: dict  # the run's fields a resumed run must match (workdir.check_manifest)
+    stage_keys: dict  # stage to run -> the settings its output depends on beyond the manifest (`_stage_key`)
+    seed: int
+    progress: bool
+    base_source: str  # config.model.source: the policy to start from, the exported policies' base
+    mesh: Optional[FrozenConfigDict]  # config.mesh: where the trainer and the samplers run (training/distributed.py)
+    export_adapters: bool
+    rollout: RolloutConfig  # collect's; its max_context bounds stage 2's sampler too
+    samples_per_question: int  # K
+    judge: JudgeSettings
+    filter: FilterSettings
+    train: TrainSettings
+    sft: SftSettings
+    build_suite: Callable  # () -> the training TaskSuite (agents/tasks.py), built when a stage needs it
+    load_policy: Callable  # (source=None, *, sampling=False) -> (model, tokenizer) (distributed.load_policy)
+    evaluate: Callable  # (policy, *, out_dir, name) -> held-out metrics (evaluation/runner.py, config.eval)
+
+    def path(self, *parts) -> str:
+        return os.path.join(self.workdir, *parts)
+
+    @property
+    def units_path(self) -> str:
+        """The filter's output, the input of stage 2 and SFT."""
+        return self.path("units", f"{self.filter.strategy}_{self.filter.granularity}.jsonl")
+
+
+def read_settings(config) -> SwirlSettings:
+    """The job's settings, checked before anything loads (a ConfigError naming the field)."""
+    _check_config(config)
+    stages = _stages(config)
+    s = config.swirl
+    mesh = config.get("mesh")
+    lora = LoraConfig.from_config(config.get("lora"))
+    return SwirlSettings(
+        workdir=str(config.workdir), stages=tuple(stages), manifest=_manifest(config),
+        stage_keys={stage: _stage_key(config, stage) for stage in stages}, seed=int(config.seed),
+        progress=bool(config.progress), base_source=config.model.source,
+        mesh=None if mesh is None else FrozenConfigDict(mesh), export_adapters=export_adapters(config),
+        rollout=rollout_config(config), samples_per_question=int(s.samples_per_question),
+        judge=_judge_settings(config),
+        filter=FilterSettings(strategy=s.filter, granularity=s.granularity, drop_easy=bool(s.drop_easy)),
+        train=_train_settings(config, lora), sft=_sft_settings(config, lora),
+        build_suite=functools.partial(build_suite, config, split="train"),
+        load_policy=functools.partial(distributed.load_policy, config), evaluate=_held_out_evaluation(config))
 
 
 def _stages(config) -> list[str]:
@@ -86,113 +184,54 @@ def _check_config(config) -> None:
         raise ConfigError("config.swirl.samples_per_question and config.swirl.train.group_size must be >= 1")
 
 
-def _vocab_size(model) -> Optional[int]:
-    """The policy's vocabulary, for checking the token ids of records read back (None: unknown)."""
-    return getattr(getattr(model, "config", None), "vocab_size", None)
+def _manifest(config) -> dict:
+    return {"job": "swirl", "model.source": config.model.source, "task.name": config.task.name,
+            "task.path": config.task.path, "task.num_tasks": int(config.task.num_tasks),
+            "task.offset": int(config.task.offset), "seed": int(config.seed),
+            "swirl.samples_per_question": int(config.swirl.samples_per_question),
+            "rollout.max_steps": int(config.rollout.max_steps), **lora_fields(config)}
 
 
-def _path(config, *parts) -> str:
-    return os.path.join(config.workdir, *parts)
+def _judge_settings(config) -> JudgeSettings:
+    from steprl_jax.judges.judging import Judging
+
+    j = config.judge
+    return JudgeSettings(batch_size=max(1, int(j.batch_size)),
+                         samples_from_policy="local" in (j.outcome.kind, j.process.kind),
+                         judging=functools.partial(Judging.from_config, config))
 
 
-def units_path(config) -> str:
-    return _path(config, "units", f"{config.swirl.filter}_{config.swirl.granularity}.jsonl")
+def _train_settings(config, lora: Optional[LoraConfig]) -> TrainSettings:
+    t = config.swirl.train
+    steps = int(t.updates) * int(t.ppo_epochs) * int(t.minibatches)
+    loss = LossConfig(kind="policy", agg=t.agg, eps_low=float(t.eps_low), eps_high=float(t.eps_high),
+                      kl_coef=float(t.kl_coef), temperature=policy_temperature(config))
+    learner = LearnerSettings(loss, optimizer_config(config, steps), ppo_epochs=int(t.ppo_epochs),
+                              minibatches=int(t.minibatches), num_microbatches=int(t.num_microbatches),
+                              max_microbatch_tokens=int(t.max_microbatch_tokens), remat=remat_of(t),
+                              min_rows=int(t.batch_size), lora=lora)
+    return TrainSettings(stage2=Stage2Settings.from_config(config, stop_strings=()), learner=learner,
+                         batch_size=int(t.batch_size), updates=int(t.updates), save_every=int(t.save_every),
+                         reward=config.reward.to_dict(), reward_cache_dir=config.judge.cache_dir or None)
 
 
-# ----------------------------------------------------------------------------- the job
-def run(config, model_and_tokenizer=None) -> dict:
-    """Run the configured stages; returns a summary (the eval comparison when eval ran).
-    `model_and_tokenizer` skips loading `config.model.source` (tests, notebooks)."""
-    _check_config(config)
-    stages = _stages(config)
-    os.makedirs(config.workdir, exist_ok=True)
-    check_manifest(config.workdir, {
-        "job": "swirl", "model.source": config.model.source, "task.name": config.task.name,
-        "task.path": config.task.path, "task.num_tasks": int(config.task.num_tasks),
-        "task.offset": int(config.task.offset), "seed": int(config.seed),
-        "swirl.samples_per_question": int(config.swirl.samples_per_question),
-        "rollout.max_steps": int(config.rollout.max_steps), **lora_fields(config)})
-    for stage in stages:  # a resume that would mix settings is refused before the model loads
-        marker = stage_marker(config.workdir, stage)
-        if marker is not None:
-            _resume_allowed(config, stage, marker, _stage_key(config, stage))
-    # With config.mesh the policy loads straight onto the trainer's mesh (training/distributed.py);
-    # the stages that sample take a copy where this process samples (`_sampling_copy`).
-    model, tokenizer = model_and_tokenizer or distributed.load_policy(config)
-    suite = training_suite(config)
-    summary = {}
-    for stage in stages:
-        key = _stage_key(config, stage)
-        marker = stage_marker(config.workdir, stage)
-        if marker is not None and _resume_allowed(config, stage, marker, key) and marker["complete"] \
-                and stage != "eval" and _intact(config, stage, marker):
-            log.info("stage %s: complete, skipped (%s)", stage, os.path.join(config.workdir, "stages"))
-            summary[stage] = marker
-            continue
-        t0 = time.perf_counter()
-        mark_stage(config.workdir, stage, {"key": key, "complete": False})  # a resume checks its key
-        result = _STAGE_FNS[stage](config, model, tokenizer, suite)
-        # What a stage read may have changed: later stages run again (their keys kept).
-        for later in STAGES[STAGES.index(stage) + 1:]:
-            reopen_stage(config.workdir, later)
-        failpoints.hit("swirl.stage.before_mark")
-        mark_stage(config.workdir, stage, {**result, "key": key, "complete": True})
-        failpoints.hit("swirl.stage.after_mark")
-        summary[stage] = result
-        log.info("stage %s done in %.1f s", stage, time.perf_counter() - t0)
-    return summary
+def _sft_settings(config, lora: Optional[LoraConfig]) -> SftSettings:
+    s = config.swirl.sft
+    return SftSettings(epochs=int(s.epochs), batch_size=int(s.batch_size),
+                       save_every=int(config.swirl.train.save_every),  # stage 2's: config.swirl.sft has none
+                       num_microbatches=int(s.num_microbatches), max_microbatch_tokens=int(s.max_microbatch_tokens),
+                       remat=remat_of(s), lora=lora, optimizer=functools.partial(optimizer_config, config))
 
 
-# The files a stage appends to or resumes from: made with other settings, they would be mixed.
-_RESUMED_OUTPUTS = {"collect": ("trajectories.jsonl",), "judge": ("judged.jsonl",),
-                    "train": ("checkpoints/swirl",), "sft": ("checkpoints/sft",), "eval": ("eval",)}
+def _held_out_evaluation(config) -> Callable:
+    """evaluation/runner.evaluate on the test split at config.eval's temperature and episodes per task."""
+    from steprl_jax.evaluation.runner import evaluate
 
-
-def _holds_output(path: str) -> bool:
-    """Whether `path` holds something a resume would go on from: a record, a committed checkpoint
-    step (a folder named by its number), an evaluation result."""
-    if os.path.isfile(path):
-        return os.path.getsize(path) > 0
-    if not os.path.isdir(path):
-        return False
-    return any(name.isdigit() or name.endswith(".json") for name in os.listdir(path))
-
-
-def _resume_allowed(config, stage: str, marker: dict, key: dict) -> bool:
-    """False when the stage's recorded settings differ but it rewrites its output anyway (filter,
-    or nothing on disk yet); an IncompatibleRunError when going on would mix two settings' data."""
-    differ = key_differences(marker.get("key", {}), key)
-    if not differ:
-        return True
-    present = [p for p in _RESUMED_OUTPUTS.get(stage, ()) if _holds_output(_path(config, p))]
-    if present:
-        detail = "; ".join(differ)
-        raise IncompatibleRunError(
-            f"{_path(config, 'stages', stage + '.json')}: stage {stage!r} was run with other settings ({detail}); "
-            f"going on would mix them in {', '.join(present)}. Restore the recorded values, or remove "
-            f"{', '.join(present)} and the marker to run the stage afresh (or use a new workdir)")
-    return False
-
-
-def _intact(config, stage: str, marker: dict) -> bool:
-    """Whether a complete stage's output still holds what its marker counted (a record store
-    drops a torn last line when opened: the stage then runs again for what is missing)."""
-    files = {"collect": "trajectories.jsonl", "judge": "judged.jsonl"}
-    if stage not in files or "trajectories" not in marker:
-        return True
-    path = _path(config, files[stage])
-    held = sum(1 for r in RecordStore(path) if isinstance(r, Trajectory)) if os.path.exists(path) else 0
-    if held == marker["trajectories"]:
-        return True
-    log.warning("stage %s: %s holds %d trajectories, its marker counted %d: running it again for the missing ones",
-                stage, path, held, marker["trajectories"])
-    return False
-
-
-def _sampling_copy(config, model):
-    """The policy where this process samples (`distributed.sampling_copy`): `model` itself without
-    a trainer mesh. With several processes every process must call it."""
-    return distributed.sampling_copy(model, distributed.sampler_bridge(config.get("mesh")))
+    eval_config = config.copy_and_resolve_references()
+    with eval_config.unlocked():
+        eval_config.rollout.temperature = float(config.eval.temperature)
+        eval_config.rollout.episodes_per_task = int(config.eval.episodes_per_task)
+    return functools.partial(evaluate, eval_config, split="test", plot=False)
 
 
 def _stage_key(config, stage: str) -> dict:
@@ -228,39 +267,127 @@ def _stage_key(config, stage: str) -> dict:
     return keys[stage]
 
 
+def _vocab_size(model) -> Optional[int]:
+    """The policy's vocabulary, for checking the token ids of records read back (None: unknown)."""
+    return getattr(getattr(model, "config", None), "vocab_size", None)
+
+
+# ----------------------------------------------------------------------------- the job
+def run(config, model_and_tokenizer=None) -> dict:
+    """Run the configured stages; returns a summary (the eval comparison when eval ran).
+    `model_and_tokenizer` skips loading `config.model.source` (tests, notebooks)."""
+    settings = read_settings(config)
+    os.makedirs(settings.workdir, exist_ok=True)
+    check_manifest(settings.workdir, settings.manifest)
+    for stage in settings.stages:  # a resume that would mix settings is refused before the model loads
+        marker = stage_marker(settings.workdir, stage)
+        if marker is not None:
+            _resume_allowed(settings, stage, marker)
+    # With config.mesh the policy loads straight onto the trainer's mesh (training/distributed.py);
+    # the stages that sample take a copy where this process samples (`_sampling_copy`).
+    model, tokenizer = model_and_tokenizer or settings.load_policy()
+    suite = training_suite(settings)
+    summary = {}
+    for stage in settings.stages:
+        key = settings.stage_keys[stage]
+        marker = stage_marker(settings.workdir, stage)
+        if marker is not None and _resume_allowed(settings, stage, marker) and marker["complete"] \
+                and stage != "eval" and _intact(settings, stage, marker):
+            log.info("stage %s: complete, skipped (%s)", stage, settings.path("stages"))
+            summary[stage] = marker
+            continue
+        t0 = time.perf_counter()
+        mark_stage(settings.workdir, stage, {"key": key, "complete": False})  # a resume checks its key
+        result = _STAGE_FNS[stage](settings, model, tokenizer, suite)
+        # What a stage read may have changed: later stages run again (their keys kept).
+        for later in STAGES[STAGES.index(stage) + 1:]:
+            reopen_stage(settings.workdir, later)
+        failpoints.hit("swirl.stage.before_mark")
+        mark_stage(settings.workdir, stage, {**result, "key": key, "complete": True})
+        failpoints.hit("swirl.stage.after_mark")
+        summary[stage] = result
+        log.info("stage %s done in %.1f s", stage, time.perf_counter() - t0)
+    return summary
+
+
+# The files a stage appends to or resumes from: made with other settings, they would be mixed.
+_RESUMED_OUTPUTS = {"collect": ("trajectories.jsonl",), "judge": ("judged.jsonl",),
+                    "train": ("checkpoints/swirl",), "sft": ("checkpoints/sft",), "eval": ("eval",)}
+
+
+def _holds_output(path: str) -> bool:
+    """Whether `path` holds something a resume would go on from: a record, a committed checkpoint
+    step (a folder named by its number), an evaluation result."""
+    if os.path.isfile(path):
+        return os.path.getsize(path) > 0
+    if not os.path.isdir(path):
+        return False
+    return any(name.isdigit() or name.endswith(".json") for name in os.listdir(path))
+
+
+def _resume_allowed(settings: SwirlSettings, stage: str, marker: dict) -> bool:
+    """False when the stage's recorded settings differ but it rewrites its output anyway (filter,
+    or nothing on disk yet); an IncompatibleRunError when going on would mix two settings' data."""
+    differ = key_differences(marker.get("key", {}), settings.stage_keys[stage])
+    if not differ:
+        return True
+    present = [p for p in _RESUMED_OUTPUTS.get(stage, ()) if _holds_output(settings.path(p))]
+    if present:
+        detail = "; ".join(differ)
+        raise IncompatibleRunError(
+            f"{settings.path('stages', stage + '.json')}: stage {stage!r} was run with other settings ({detail}); "
+            f"going on would mix them in {', '.join(present)}. Restore the recorded values, or remove "
+            f"{', '.join(present)} and the marker to run the stage afresh (or use a new workdir)")
+    return False
+
+
+def _intact(settings: SwirlSettings, stage: str, marker: dict) -> bool:
+    """Whether a complete stage's output still holds what its marker counted (a record store
+    drops a torn last line when opened: the stage then runs again for what is missing)."""
+    files = {"collect": "trajectories.jsonl", "judge": "judged.jsonl"}
+    if stage not in files or "trajectories" not in marker:
+        return True
+    path = settings.path(files[stage])
+    held = sum(1 for r in RecordStore(path) if isinstance(r, Trajectory)) if os.path.exists(path) else 0
+    if held == marker["trajectories"]:
+        return True
+    log.warning("stage %s: %s holds %d trajectories, its marker counted %d: running it again for the missing ones",
+                stage, path, held, marker["trajectories"])
+    return False
+
+
+def _sampling_copy(settings: SwirlSettings, model):
+    """The policy where this process samples (`distributed.sampling_copy`): `model` itself without
+    a trainer mesh. With several processes every process must call it."""
+    return distributed.sampling_copy(model, distributed.sampler_bridge(settings.mesh))
+
+
 # ----------------------------------------------------------------------------- collect
-def training_suite(config):
+def training_suite(settings: SwirlSettings) -> Callable:
     """A function returning the job's training task suite, built on the first call only (the stages
     that need it share one)."""
-    built = []
-
-    def suite():
-        if not built:
-            built.append(build_suite(config, split="train"))
-        return built[0]
-
-    return suite
+    return functools.cache(settings.build_suite)
 
 
-def collect(config, model, tokenizer, suite=None) -> dict:
+def collect(settings: SwirlSettings, model, tokenizer, suite=None) -> dict:
     """Stage 1: K trajectories per training question at temperature > 0, tools live."""
     from steprl_jax.agents.rollout import RolloutEngine
     from steprl_jax.sampling import Sampler
 
-    if float(config.rollout.temperature) <= 0:
+    if settings.rollout.temperature <= 0:
         raise ConfigError("config.rollout.temperature: SWiRL collects K samples per question at temperature > 0")
-    suite = (suite or training_suite(config))()
-    k = int(config.swirl.samples_per_question)
-    store = RecordStore(_path(config, "trajectories.jsonl"))
+    suite = (suite or training_suite(settings))()
+    k = settings.samples_per_question
+    store = RecordStore(settings.path("trajectories.jsonl"))
     done = store.done_ids()
     episodes = [(f"{t.id}#{e}", t) for t in suite.tasks for e in range(k)]
     # In waves that resume whole (RolloutEngine.run_in_waves): a resumed run samples for the
     # missing episodes exactly what an uninterrupted run would have, token for token.
     todo = [episode for episode in episodes if episode[0] not in done]
     if todo:
-        sampler = Sampler(_sampling_copy(config, model), tokenizer, max_context=int(config.rollout.max_context))
-        engine = RolloutEngine(sampler, tokenizer, suite.env, rollout_config(config), seed=int(config.seed))
-        bar = tqdm(total=len(todo), desc="collect", disable=not config.progress)
+        sampler = Sampler(_sampling_copy(settings, model), tokenizer, max_context=settings.rollout.max_context)
+        engine = RolloutEngine(sampler, tokenizer, suite.env, settings.rollout, seed=settings.seed)
+        bar = tqdm(total=len(todo), desc="collect", disable=not settings.progress)
         try:
             for trajectory in engine.run_in_waves(episodes, done):
                 store.append(trajectory)
@@ -275,24 +402,22 @@ def collect(config, model, tokenizer, suite=None) -> dict:
 
 
 # ----------------------------------------------------------------------------- judge
-def judge(config, model, tokenizer, suite=None) -> dict:
+def judge(settings: SwirlSettings, model, tokenizer, suite=None) -> dict:
     """Process verdicts on every step (no golden answer) and the outcome per trajectory."""
-    from steprl_jax.judges.judging import Judging
-
-    source = _path(config, "trajectories.jsonl")
+    source = settings.path("trajectories.jsonl")
     if not os.path.exists(source):
         raise FileNotFoundError(f"{source}: no trajectories; run the 'collect' stage first")
-    suite = (suite or training_suite(config))()
+    suite = (suite or training_suite(settings))()
     tasks = {t.id: t for t in suite.tasks}
-    if "local" in (config.judge.outcome.kind, config.judge.process.kind):  # a judge that samples from the policy
-        model = _sampling_copy(config, model)
-    judging = Judging.from_config(config, outcome_rule=suite.outcome_rule, local_model=(model, tokenizer))
-    out_store = RecordStore(_path(config, "judged.jsonl"))
+    if settings.judge.samples_from_policy:
+        model = _sampling_copy(settings, model)
+    judging = settings.judge.judging(outcome_rule=suite.outcome_rule, local_model=(model, tokenizer))
+    out_store = RecordStore(settings.path("judged.jsonl"))
     done = out_store.done_ids()
     todo = [r for r in RecordStore(source, vocab_size=_vocab_size(model)) if isinstance(r, Trajectory)
             and r.id not in done]
-    size = max(1, int(config.judge.batch_size))
-    bar = tqdm(total=len(todo), desc="judge", disable=not config.progress)
+    size = settings.judge.batch_size
+    bar = tqdm(total=len(todo), desc="judge", disable=not settings.progress)
     for start in range(0, len(todo), size):
         batch = todo[start:start + size]
         missing = [t.query_id for t in batch if t.query_id not in tasks]
@@ -379,16 +504,16 @@ def filter_units(trajectories: Sequence[Trajectory], strategy: str, granularity:
     return kept_units, stats
 
 
-def filter_stage(config, model=None, tokenizer=None, suite=None) -> dict:
-    source = _path(config, "judged.jsonl")
+def filter_stage(settings: SwirlSettings, model=None, tokenizer=None, suite=None) -> dict:
+    source = settings.path("judged.jsonl")
     if not os.path.exists(source):
         raise FileNotFoundError(f"{source}: no judged trajectories; run the 'judge' stage first")
     # By id: the collection writes episodes as they end, an order that depends on timing.
     trajectories = sorted((r for r in RecordStore(source, vocab_size=_vocab_size(model)) if isinstance(r, Trajectory)),
                           key=lambda r: r.id)
-    units, stats = filter_units(trajectories, config.swirl.filter, config.swirl.granularity,
-                                bool(config.swirl.drop_easy))
-    path = units_path(config)
+    f = settings.filter
+    units, stats = filter_units(trajectories, f.strategy, f.granularity, f.drop_easy)
+    path = settings.units_path
     write_units(path, units)
     write_json_atomic(path[:-len(".jsonl")] + ".stats.json", stats)
     return stats
@@ -482,90 +607,76 @@ class Stage2Builder:
                 for gen, r in zip(gens, rewards)], sample_s
 
 
-def train(config, model, tokenizer, suite=None) -> dict:
+def train(settings: SwirlSettings, model, tokenizer, suite=None) -> dict:
     """Stage 2: offline step-wise RL on the filtered units' states."""
     from steprl_jax.judges.rewards import build_reward_model
     from steprl_jax.sampling import Sampler
 
-    t = config.swirl.train
-    units = read_units(units_path(config))
-    check_manifest(config.workdir, {"swirl.filter": config.swirl.filter, "swirl.granularity": config.swirl.granularity})
-    suite = suite or training_suite(config)  # for the stop strings only; no tool is called
-    local = _sampling_copy(config, model)  # the sampler's first parameters, a local reward model's
-    sampler = Sampler(local, tokenizer, max_context=int(config.rollout.max_context),
-                      mesh=distributed.sampler_mesh(config.get("mesh")))
-    reward_model = build_reward_model(dict(config.reward), local_model=(local, tokenizer),
-                                      cache_dir=config.judge.cache_dir or None)
-    builder = Stage2Builder(Stage2Settings.from_config(config, suite().env.stop_strings), sampler, tokenizer,
-                            reward_model)
-    steps = int(t.updates) * int(t.ppo_epochs) * int(t.minibatches)
-    loss = LossConfig(kind="policy", agg=t.agg, eps_low=float(t.eps_low), eps_high=float(t.eps_high),
-                      kl_coef=float(t.kl_coef), temperature=policy_temperature(config))
-    learner = LearnerSettings(loss, optimizer_config(config, steps), ppo_epochs=int(t.ppo_epochs),
-                              minibatches=int(t.minibatches), num_microbatches=int(t.num_microbatches),
-                              max_microbatch_tokens=int(t.max_microbatch_tokens), remat=remat_of(t),
-                              min_rows=int(t.batch_size), lora=LoraConfig.from_config(config.get("lora")))
-    spec = OfflineSpec("swirl", units, builder, learner, batch_size=int(t.batch_size), updates=int(t.updates),
-                       save_every=int(t.save_every), needs_policy=True)
-    trained = train_offline(spec, model, workdir=config.workdir, seed=int(config.seed), progress=bool(config.progress),
-                            base_source=config.model.source, mesh_config=config.get("mesh"))
+    t = settings.train
+    units = read_units(settings.units_path)
+    check_manifest(settings.workdir, {"swirl.filter": settings.filter.strategy,
+                                      "swirl.granularity": settings.filter.granularity})
+    suite = suite or training_suite(settings)  # for the stop strings only; no tool is called
+    local = _sampling_copy(settings, model)  # the sampler's first parameters, a local reward model's
+    sampler = Sampler(local, tokenizer, max_context=settings.rollout.max_context,
+                      mesh=distributed.sampler_mesh(settings.mesh))
+    reward_model = build_reward_model(t.reward, local_model=(local, tokenizer), cache_dir=t.reward_cache_dir)
+    stage2 = dataclasses.replace(t.stage2, stop=tuple(suite().env.stop_strings))
+    builder = Stage2Builder(stage2, sampler, tokenizer, reward_model)
+    spec = OfflineSpec("swirl", units, builder, t.learner, batch_size=t.batch_size, updates=t.updates,
+                       save_every=t.save_every, needs_policy=True)
+    trained = train_offline(spec, model, workdir=settings.workdir, seed=settings.seed, progress=settings.progress,
+                            base_source=settings.base_source, mesh_config=settings.mesh)
     trained_steps = trained.step
     if trained_steps:
-        trained.export(tokenizer, _path(config, "policy", "swirl"), adapters=export_adapters(config),
-                       base_source=config.model.source)
+        trained.export(tokenizer, settings.path("policy", "swirl"), adapters=settings.export_adapters,
+                       base_source=settings.base_source)
     else:  # every update skipped (e.g. the reward endpoint was down): no policy to call SWiRL
         log.warning("stage 2 trained no update (every sample dropped); policy/swirl not exported")
-    out = {"updates": int(t.updates), "train_steps": trained_steps, "units": len(units),
+    out = {"updates": t.updates, "train_steps": trained_steps, "units": len(units),
            "reward_stats": reward_model.stats.snapshot()}
     return out
 
 
-def sft(config, model, tokenizer, suite=None) -> dict:
+def sft(settings: SwirlSettings, model, tokenizer, suite=None) -> dict:
     """The paper's baseline: next-token loss on the action tokens of the same filtered units."""
-    s = config.swirl.sft
-    groups = sft_lib.group_by_trajectory(read_units(units_path(config)))
-    updates = max(1, -(-len(groups) * int(s.epochs) // int(s.batch_size)))
-    learner = LearnerSettings(sft_lib.LOSS, optimizer_config(config, updates), num_microbatches=int(s.num_microbatches),
-                              max_microbatch_tokens=int(s.max_microbatch_tokens), remat=remat_of(s),
-                              lora=LoraConfig.from_config(config.get("lora")))
+    s = settings.sft
+    groups = sft_lib.group_by_trajectory(read_units(settings.units_path))
+    updates = max(1, -(-len(groups) * s.epochs // s.batch_size))
+    learner = LearnerSettings(sft_lib.LOSS, s.optimizer(updates), num_microbatches=s.num_microbatches,
+                              max_microbatch_tokens=s.max_microbatch_tokens, remat=s.remat, lora=s.lora)
     spec = OfflineSpec("sft", groups, lambda items, update, policy: (sft_lib.sft_rows(items), {}), learner,
-                       batch_size=int(s.batch_size), updates=updates, save_every=int(config.swirl.train.save_every))
-    trained = train_offline(spec, model, workdir=config.workdir, seed=int(config.seed), progress=bool(config.progress),
-                            base_source=config.model.source, mesh_config=config.get("mesh"))
-    trained.export(tokenizer, _path(config, "policy", "sft"), adapters=export_adapters(config),
-                   base_source=config.model.source)
+                       batch_size=s.batch_size, updates=updates, save_every=s.save_every)
+    trained = train_offline(spec, model, workdir=settings.workdir, seed=settings.seed, progress=settings.progress,
+                            base_source=settings.base_source, mesh_config=settings.mesh)
+    trained.export(tokenizer, settings.path("policy", "sft"), adapters=settings.export_adapters,
+                   base_source=settings.base_source)
     out = {"updates": updates, "trajectories": len(groups)}
     return out
 
 
 # ----------------------------------------------------------------------------- eval
-def evaluate_policies(config, model, tokenizer, suite=None) -> dict:
+def evaluate_policies(settings: SwirlSettings, model, tokenizer, suite=None) -> dict:
     """Held-out questions with the live tool loop for base, SFT and SWiRL (those exported)."""
     from steprl_jax.evaluation.compare import write_policy_comparison
-    from steprl_jax.evaluation.runner import evaluate
 
-    eval_config = config.copy_and_resolve_references()
-    with eval_config.unlocked():
-        eval_config.rollout.temperature = float(config.eval.temperature)
-        eval_config.rollout.episodes_per_task = int(config.eval.episodes_per_task)
     results = {}
     for name in ("base", "sft", "swirl"):
-        source = None if name == "base" else _path(config, "policy", name)
+        source = None if name == "base" else settings.path("policy", name)
         if source is not None and not os.path.isdir(source):
             continue
-        out = _path(config, "eval", f"{name}.json")
+        out = settings.path("eval", f"{name}.json")
         if os.path.exists(out):
             with open(out, encoding="utf-8") as f:
                 results[name] = json.load(f)
             continue
         # where evaluation samples: a copy of the base; the exports loaded straight there
-        policy = (_sampling_copy(config, model), tokenizer) if source is None else \
-            distributed.load_policy(config, source, sampling=True)
-        metrics = evaluate(eval_config, policy, split="test", out_dir=_path(config, "eval"), name=f"{name}.",
-                           plot=False)
+        policy = (_sampling_copy(settings, model), tokenizer) if source is None else \
+            settings.load_policy(source, sampling=True)
+        metrics = settings.evaluate(policy, out_dir=settings.path("eval"), name=f"{name}.")
         write_json_atomic(out, metrics)
         results[name] = metrics
-    return write_policy_comparison(config.workdir, results)
+    return write_policy_comparison(settings.workdir, results)
 
 
 _STAGE_FNS = {"collect": collect, "judge": judge, "filter": filter_stage, "train": train, "sft": sft,
