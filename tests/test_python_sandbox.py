@@ -101,11 +101,13 @@ def test_the_strongest_isolation_is_active_where_root_can_make_namespaces():
 def test_inside_the_namespaces_only_the_private_root_exists(tmp_path):
     secret = tmp_path / "secret.txt"
     secret.write_text("s")
+    # The repo's own files (its folder may exist inside as a mount point when the venv lives in it).
+    README = os.path.join(ROOT, "README.md")
     # os.stat and os.mkfifo raise no audit event: what they see is the kernel's view alone.
     code = f"""
 import os
 print(os.getuid(), os.getgid(), os.getgroups(), os.getppid(), os.getcwd(), sorted(os.environ))
-for path in [{str(secret)!r}, {ROOT!r}, '/root/.profile', '/proc/{os.getpid()}', '/home', '/var', '/tmp']:
+for path in [{str(secret)!r}, {README!r}, '/root/.profile', '/proc/{os.getpid()}', '/home', '/var', '/tmp']:
     print(path, os.path.exists(path))
 for path in ['/x', '/usr/x', {os.path.join(sys.prefix, 'x')!r}, '/tmp/fifo']:
     try:
@@ -119,7 +121,7 @@ for path in ['/x', '/usr/x', {os.path.join(sys.prefix, 'x')!r}, '/tmp/fifo']:
     uid = STRONG.uid if STRONG.uid is not None else 0
     assert result.stdout.splitlines() == [
         f"{uid} {uid} [] 1 /tmp ['HOME', 'LANG', 'MKL_NUM_THREADS', 'OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS', 'PATH']",
-        f"{secret} False", f"{ROOT} False", "/root/.profile False", f"/proc/{os.getpid()} False", "/home False",
+        f"{secret} False", f"{README} False", "/root/.profile False", f"/proc/{os.getpid()} False", "/home False",
         "/var False",
         "/tmp True",
         "/x Read-only file system", "/usr/x Read-only file system",
