@@ -18,6 +18,8 @@ from steprl_jax.models.sharding import state_shardings
 from steprl_jax.training import distributed
 from swirl_helpers import smol_tokenizer, tiny_config, tiny_model
 
+mesh_spec = distributed.MeshSpec.from_config  # config.mesh, read once as the jobs do
+
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
@@ -49,7 +51,7 @@ def _arrays(model) -> dict:
 def test_the_policy_loads_straight_onto_the_trainer_mesh(folder, tmp_path, monkeypatch):
     assert len(jax.devices()) == 8
     config = _config(tmp_path, folder, mesh=True)
-    mesh = distributed.train_mesh(config.mesh)
+    mesh = distributed.train_mesh(mesh_spec(config.mesh))
     placed, real_put = [], jax.device_put
 
     def spy(x, *args, **kwargs):  # every placement during the load
@@ -77,7 +79,7 @@ def test_the_policy_loads_straight_onto_the_trainer_mesh(folder, tmp_path, monke
 
     # the copy the sampler and local judges take: whole on this process's first device (config.mesh.sampler
     # all 1), the same values; the trainer's copy stays as it was
-    bridge = distributed.sampler_bridge(config.mesh)
+    bridge = distributed.sampler_bridge(mesh_spec(config.mesh))
     local = _arrays(distributed.sampling_copy(model, bridge))
     for name, array in local.items():
         assert array.sharding.device_set == {jax.local_devices()[0]}, name
@@ -89,13 +91,13 @@ def test_the_policy_loads_straight_onto_the_trainer_mesh(folder, tmp_path, monke
 
     # config.mesh.sampler over 2 local devices: the copy is split over them, as the sampler's pushes are
     config2 = _config(tmp_path, folder, mesh=True, fsdp=2)
-    spread = _arrays(distributed.sampling_copy(model, distributed.sampler_bridge(config2.mesh)))
+    spread = _arrays(distributed.sampling_copy(model, distributed.sampler_bridge(mesh_spec(config2.mesh))))
     assert len(spread["['embed']"].sharding.device_set) == 2
 
 
 def test_without_a_mesh_the_load_is_load_pretrained(folder, tmp_path):
     config = _config(tmp_path, folder, mesh=False)
-    assert distributed.train_mesh(config.mesh) is None and distributed.sampler_bridge(config.mesh) is None
+    assert distributed.train_mesh(mesh_spec(config.mesh)) is None and distributed.sampler_bridge(mesh_spec(config.mesh)) is None
     model, _ = distributed.load_policy(config)
     assert distributed.sampling_copy(model, None) is model
     plain, _ = load_pretrained(folder, compute_dtype=config.model.compute_dtype)
@@ -121,7 +123,7 @@ def test_a_swirl_run_with_a_mesh_runs_and_collects_what_one_device_collects(fold
     assert os.path.isfile(os.path.join(meshed.workdir, "policy", "swirl", "model.safetensors"))
     # the run's checkpoint folder as a source (base onto the mesh, then the checkpoint's parameters):
     # on the trainer's shardings, the exported policy's values
-    mesh = distributed.train_mesh(meshed.mesh)
+    mesh = distributed.train_mesh(mesh_spec(meshed.mesh))
     restored, _ = distributed.load_policy(meshed, os.path.join(meshed.workdir, "checkpoints", "swirl"))
     exported, _ = load_pretrained(os.path.join(meshed.workdir, "policy", "swirl"))
     expected = _leaves(state_shardings(nnx.state(restored, nnx.Param), mesh))

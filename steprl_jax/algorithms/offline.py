@@ -98,15 +98,15 @@ def export_adapters(config) -> bool:
 
 
 def train_offline(spec: OfflineSpec, model, *, workdir: str, seed: int, progress: bool = True,
-                  base_source: Optional[str] = None, mesh_config=None) -> Learner:
+                  base_source: Optional[str] = None, mesh: Optional[distributed.MeshSpec] = None) -> Learner:
     """Run (or resume) `spec`; returns the learner (its final train state, `export`). With `base_source`
     (the load_pretrained source of `model`) the checkpoint folder loads as a policy itself.
-    `mesh_config` (config.mesh): the trainer's mesh, and where each process's policy copy for
+    `mesh` (config.mesh): the trainer's mesh, and where each process's policy copy for
     `spec.build` lives (training/distributed.py); every process builds the same global batch."""
     if not spec.items:
         raise ValueError(f"{spec.name}: no training items (did the filter keep anything?)")
     learner = Learner(model, spec.learner, seed=seed, checkpoint_dir=os.path.join(workdir, "checkpoints", spec.name),
-                      mesh_config=mesh_config, base_source=base_source)
+                      mesh=mesh, base_source=base_source)
     position = learner.restore()
     start = 0 if position is None else int(position["update"])
     if start:

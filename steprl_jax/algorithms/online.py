@@ -170,7 +170,7 @@ def warm_start(config, model, tokenizer):
                            save_every=max(1, int(w.updates)))
         trained = train_offline(spec, model, workdir=config.workdir, seed=int(config.seed),
                                 progress=bool(config.progress), base_source=config.model.source,
-                                mesh_config=config.get("mesh"))
+                                mesh=distributed.MeshSpec.from_config(config.get("mesh")))
         trained.export(tokenizer, out, adapters=export_adapters(config), base_source=config.model.source)
     return distributed.load_policy(config, out)[0], out
 
@@ -184,15 +184,15 @@ def build_loop(config, model, tokenizer, base_source: Optional[str] = None) -> "
 
     settings = read_settings(config)
     suite = build_suite(config, split="train")
-    mesh_config = config.get("mesh")
-    learner = Learner(model, settings.learner, seed=settings.seed, mesh_config=mesh_config, base_source=base_source,
+    mesh = distributed.MeshSpec.from_config(config.get("mesh"))
+    learner = Learner(model, settings.learner, seed=settings.seed, mesh=mesh, base_source=base_source,
                       checkpoint_dir=_path(settings.workdir, "checkpoints", "rl"))
     # The initial policy where this process samples: the sampler's first parameters, the local
     # judge's model (here and in evaluation); `model` itself without a mesh.
     policy = distributed.sampling_copy(model, learner.bridge)
     judging = Judging.from_config(config, outcome_rule=suite.outcome_rule, local_model=(policy, tokenizer))
     sampler = Sampler(policy, tokenizer, max_context=int(config.rollout.max_context),
-                      mesh=distributed.sampler_mesh(mesh_config))
+                      mesh=distributed.sampler_mesh(mesh))
     engine = RolloutEngine(sampler, tokenizer, suite.env, dataclasses.replace(rollout_config(config), with_entropy=True),
                            seed=settings.seed)
     return OnlineLoop(settings, learner=learner, engine=engine, judging=judging, tasks=suite.tasks,

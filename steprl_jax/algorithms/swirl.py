@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import jax
 import numpy as np
-from ml_collections import FrozenConfigDict
 from tqdm import tqdm
 
 from steprl_jax import failpoints
@@ -119,7 +118,7 @@ class SwirlSettings:
     seed: int
     progress: bool
     base_source: str  # config.model.source: the policy to start from, the exported policies' base
-    mesh: Optional[FrozenConfigDict]  # config.mesh: where the trainer and the samplers run (training/distributed.py)
+    mesh: distributed.MeshSpec  # config.mesh: where the trainer and the samplers run (training/distributed.py)
     export_adapters: bool
     rollout: RolloutConfig  # collect's; its max_context bounds stage 2's sampler too
     samples_per_question: int  # K
@@ -145,13 +144,12 @@ def read_settings(config) -> SwirlSettings:
     _check_config(config)
     stages = _stages(config)
     s = config.swirl
-    mesh = config.get("mesh")
     lora = LoraConfig.from_config(config.get("lora"))
     return SwirlSettings(
         workdir=str(config.workdir), stages=tuple(stages), manifest=_manifest(config),
         stage_keys={stage: _stage_key(config, stage) for stage in stages}, seed=int(config.seed),
         progress=bool(config.progress), base_source=config.model.source,
-        mesh=None if mesh is None else FrozenConfigDict(mesh), export_adapters=export_adapters(config),
+        mesh=distributed.MeshSpec.from_config(config.get("mesh")), export_adapters=export_adapters(config),
         rollout=rollout_config(config), samples_per_question=int(s.samples_per_question),
         judge=_judge_settings(config),
         filter=FilterSettings(strategy=s.filter, granularity=s.granularity, drop_easy=bool(s.drop_easy)),
@@ -626,7 +624,7 @@ def train(settings: SwirlSettings, model, tokenizer, suite=None) -> dict:
     spec = OfflineSpec("swirl", units, builder, t.learner, batch_size=t.batch_size, updates=t.updates,
                        save_every=t.save_every, needs_policy=True)
     trained = train_offline(spec, model, workdir=settings.workdir, seed=settings.seed, progress=settings.progress,
-                            base_source=settings.base_source, mesh_config=settings.mesh)
+                            base_source=settings.base_source, mesh=settings.mesh)
     trained_steps = trained.step
     if trained_steps:
         trained.export(tokenizer, settings.path("policy", "swirl"), adapters=settings.export_adapters,
@@ -648,7 +646,7 @@ def sft(settings: SwirlSettings, model, tokenizer, suite=None) -> dict:
     spec = OfflineSpec("sft", groups, lambda items, update, policy: (sft_lib.sft_rows(items), {}), learner,
                        batch_size=s.batch_size, updates=updates, save_every=s.save_every)
     trained = train_offline(spec, model, workdir=settings.workdir, seed=settings.seed, progress=settings.progress,
-                            base_source=settings.base_source, mesh_config=settings.mesh)
+                            base_source=settings.base_source, mesh=settings.mesh)
     trained.export(tokenizer, settings.path("policy", "sft"), adapters=settings.export_adapters,
                    base_source=settings.base_source)
     out = {"updates": updates, "trajectories": len(groups)}

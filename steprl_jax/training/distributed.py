@@ -2,10 +2,10 @@
 and parameters between processes.
 
     distributed.initialize(config.distributed)        # first, before anything touches a device
-    mesh = distributed.train_mesh(config.mesh)        # None: one device, no mesh (the default)
-    bridge = distributed.SamplerBridge(config.mesh)
+    spec = distributed.MeshSpec.from_config(config.mesh)  # read once; the jobs hand `spec` down
+    mesh = distributed.train_mesh(spec)               # None: one device, no mesh (the default)
     model, tokenizer = distributed.load_policy(config)  # straight onto the trainer's mesh (if any)
-    local = distributed.sampling_copy(model, distributed.sampler_bridge(config.mesh))  # for the sampler
+    local = distributed.sampling_copy(model, distributed.sampler_bridge(spec))  # for the sampler
 
 Every process runs the same program (`jax.distributed`; TPU pods, multi-GPU hosts, local CPU
 processes over 127.0.0.1). The trainer's state lives on the global mesh; each process samples on
@@ -15,6 +15,7 @@ Host objects (rollout records) travel between processes as JSON over `process_al
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -133,9 +134,23 @@ def _sizes(cfg, where: str) -> tuple[int, ...]:
     return sizes
 
 
-def mesh_of(cfg, devices: Sequence, where: str) -> Mesh:
-    """A (data, fsdp, tensor) mesh over `devices` by the sizes in `cfg` (-1: the rest)."""
-    sizes = _sizes(cfg, where)
+@dataclasses.dataclass(frozen=True)
+class MeshSpec:
+    """`config.mesh`, read once: the trainer's axis sizes over every device and the sampler's
+    (`config.mesh.sampler`) over each process's own, in MESH_AXES order (-1: the devices left over)."""
+
+    train: tuple[int, ...] = (1, 1, 1)
+    sampler: tuple[int, ...] = (1, 1, 1)
+
+    @classmethod
+    def from_config(cls, cfg) -> "MeshSpec":
+        """From the `mesh` section (None: one device); a ConfigError names the field at fault."""
+        cfg = cfg or {}
+        return cls(train=_sizes(cfg, "config.mesh"), sampler=_sizes(cfg.get("sampler", {}), "config.mesh.sampler"))
+
+
+def mesh_of(sizes: Sequence[int], devices: Sequence, where: str) -> Mesh:
+    """A (data, fsdp, tensor) mesh of `sizes` (-1: the rest) over `devices`."""
     known = int(np.prod([s for s in sizes if s != -1]))
     if -1 in sizes:
         if len(devices) % known:
@@ -147,13 +162,12 @@ def mesh_of(cfg, devices: Sequence, where: str) -> Mesh:
     return Mesh(np.asarray(list(devices)[:total], dtype=object).reshape(sizes), MESH_AXES)
 
 
-def train_mesh(cfg) -> Optional[Mesh]:
-    """The trainer's global mesh from config.mesh; None (one device, no mesh) when every axis is
-    1 and there is one process. With several processes the mesh must hold every device."""
-    sizes = _sizes(cfg or {}, "config.mesh")
-    if sizes == (1, 1, 1) and jax.process_count() == 1:
+def train_mesh(spec: MeshSpec) -> Optional[Mesh]:
+    """The trainer's global mesh; None (one device, no mesh) when every axis is 1 and there is one
+    process. With several processes the mesh must hold every device."""
+    if spec.train == (1, 1, 1) and jax.process_count() == 1:
         return None
-    mesh = mesh_of(cfg, jax.devices(), "config.mesh")
+    mesh = mesh_of(spec.train, jax.devices(), "config.mesh")
     if jax.process_count() > 1 and mesh.size != jax.device_count():
         raise ConfigError(f"config.mesh: {dict(mesh.shape)} holds {mesh.size} of the {jax.device_count()} devices "
                          f"of {jax.process_count()} processes; a multi-process mesh holds them all (use -1)")
@@ -168,9 +182,9 @@ def local_devices_by_process() -> list[list]:
     return [sorted(by[p], key=lambda d: d.id) for p in sorted(by)]
 
 
-def sampler_mesh(cfg) -> Optional[Mesh]:
-    """The sampler's mesh over this process's devices from config.mesh.sampler (None: one device)."""
-    mesh = mesh_of((cfg or {}).get("sampler", {}), jax.local_devices(), "config.mesh.sampler")
+def sampler_mesh(spec: MeshSpec) -> Optional[Mesh]:
+    """The sampler's mesh over this process's devices (None: one device)."""
+    mesh = mesh_of(spec.sampler, jax.local_devices(), "config.mesh.sampler")
     return mesh if mesh.size > 1 else None
 
 
@@ -195,9 +209,9 @@ class SamplerBridge:
     process, onto the sampler's own devices and layout.
     """
 
-    def __init__(self, mesh_config, rules: dict = LOGICAL_AXIS_RULES):
+    def __init__(self, spec: MeshSpec, rules: dict = LOGICAL_AXIS_RULES):
         self.rules = rules
-        self.local_mesh = mesh_of((mesh_config or {}).get("sampler", {}), jax.local_devices(), "config.mesh.sampler")
+        self.local_mesh = mesh_of(spec.sampler, jax.local_devices(), "config.mesh.sampler")
         groups = local_devices_by_process()
         if len({len(g) for g in groups}) != 1:
             raise ValueError(f"processes have different device counts: {[len(g) for g in groups]}")
@@ -254,10 +268,10 @@ def load_policy(config, source: Optional[str] = None, *, sampling: bool = False)
     """
     from steprl_jax.models import load_pretrained
 
-    mesh_config = config.get("mesh")
-    mesh = train_mesh(mesh_config)
+    spec = MeshSpec.from_config(config.get("mesh"))
+    mesh = train_mesh(spec)
     if mesh is not None and sampling:
-        mesh = mesh_of((mesh_config or {}).get("sampler", {}), jax.local_devices(), "config.mesh.sampler")
+        mesh = mesh_of(spec.sampler, jax.local_devices(), "config.mesh.sampler")
     model, tokenizer = load_pretrained(source or config.model.source, compute_dtype=config.model.compute_dtype,
                                        mesh=mesh)
     if config.model.get("attention"):  # which attention kernels (models/fused_attention.py)
@@ -265,9 +279,9 @@ def load_policy(config, source: Optional[str] = None, *, sampling: bool = False)
     return model, tokenizer
 
 
-def sampler_bridge(mesh_config) -> Optional[SamplerBridge]:
+def sampler_bridge(spec: MeshSpec) -> Optional[SamplerBridge]:
     """The bridge from the trainer's mesh to this process's sampler (None without a trainer mesh)."""
-    return SamplerBridge(mesh_config) if train_mesh(mesh_config) is not None else None
+    return SamplerBridge(spec) if train_mesh(spec) is not None else None
 
 
 def sampling_copy(model, bridge: Optional[SamplerBridge]):

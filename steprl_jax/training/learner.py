@@ -1,7 +1,7 @@
 """The learner: the policy being trained, built in one place for the offline loop, the online loop and
 the benchmarks.
 
-    learner = Learner(model, settings, seed=0, checkpoint_dir=".../checkpoints/rl", mesh_config=config.mesh)
+    learner = Learner(model, settings, seed=0, checkpoint_dir=".../checkpoints/rl", mesh=mesh_spec)
     position = learner.restore()                 # None, or the data position saved with the state
     metrics = learner.update(rows, where="rl iteration 3")   # pack, ppo_epochs x minibatches steps
     sampler.set_params(learner.policy())         # a copy where this process samples, adapters merged
@@ -64,15 +64,17 @@ class LearnerSettings:
 
 
 class Learner:
-    def __init__(self, model, settings: LearnerSettings, *, seed: int, checkpoint_dir: str, mesh_config=None,
+    def __init__(self, model, settings: LearnerSettings, *, seed: int, checkpoint_dir: str,
+                 mesh: Optional[distributed.MeshSpec] = None,
                  base_source: Optional[str] = None):
-        """`model` is copied (the caller's stays usable). `mesh_config` (config.mesh): the trainer's
-        mesh and where each process samples (training/distributed.py). With `base_source` (the
+        """`model` is copied (the caller's stays usable). `mesh` (config.mesh, read once; None: one
+        device): the trainer's mesh and where each process samples (training/distributed.py). With `base_source` (the
         load_pretrained source of `model`) the checkpoint folder loads as a policy itself."""
         self.settings = s = settings
         tx = make_optimizer(s.optimizer)
-        self.mesh = distributed.train_mesh(mesh_config)
-        self.bridge = distributed.sampler_bridge(mesh_config)
+        spec = mesh or distributed.MeshSpec()
+        self.mesh = distributed.train_mesh(spec)
+        self.bridge = distributed.sampler_bridge(spec)
         self.graphdef, self.state, shardings = create_train_state(trainable_copy(model, s.lora, seed), tx, seed=seed,
                                                                   mesh=self.mesh)
         self.step_fn = make_train_step(self.graphdef, tx, TrainStepConfig(
