@@ -31,6 +31,7 @@ setup(
         "tqdm>=4.66,<5",
         "matplotlib>=3.8,<4",
         "tensorboardX>=2.6,<3",
+        "math-verify>=0.9,<1",  # ToRL's answer check (judges/rules.py math_verify_outcome)
     ],
     extras_require={
         "test": ["pytest>=8,<10", "hypothesis>=6.100,<7", "torch==2.13.0", "accelerate>=1.0,<2", "openai>=1.40,<4",

@@ -61,4 +61,7 @@ def rl_config() -> ConfigDict:
         # per tree, `keep` leaves kept per tree (m * keep trajectories per query).
         tree_grpo=ConfigDict(dict(eps_low=0.2, eps_high=0.2, kl_coef=0.0, agg="token_mean", ddof=1, m=2, n=2,
                                   rounds=1, keep=3, combine="sum")),
+        # ToRL (GAIR-NLP/ToRL's torl_1.5b.sh): GRPO, symmetric clip 0.2, no KL, verl's token mean,
+        # torch.std; runs the code format (configs/torl_arithmetic.py).
+        torl=ConfigDict(dict(eps_low=0.2, eps_high=0.2, agg="token_mean", ddof=1)),
     ))

@@ -116,7 +116,7 @@ def _judge_fields(prefix: str, jobs: tuple, rule_keys: bool) -> dict:
         "max_context": integer(1, **unset), "seed": integer(0, **unset),
     }
     if rule_keys:
-        fields.update({"rule": text("gsm8k", "hotpotqa", "toolworld", **unset),
+        fields.update({"rule": text("gsm8k", "hotpotqa", "toolworld", "math_verify", **unset),
                        "partial_f1": probability(note="0: off", **unset), "rel_tol": number(0, **unset)})
     return {f"{prefix}.{k}": v for k, v in fields.items()}
 
@@ -158,8 +158,16 @@ FIELDS: dict[str, Field] = {
     "task.corpus_path": text(optional=True, note="'': task.path"),  # hotpotqa
     "task.search_top_k": integer(1, optional=True),  # hotpotqa
 
-    "env.format": text("tags", "tool_call"),
-    "env.tools": names("calculator", "search", note="the tag format's tools"),
+    "env.format": text("tags", "tool_call", "code"),
+    "env.tools": names("calculator", "search", "python", note="the tag format's tools; the code format's python"),
+    # the code format (agents/code_env.py): runs per response, and the Python sandbox's limits
+    "env.max_tool_calls": integer(0, optional=True, note="0: no code runs"),
+    "env.python.wall_timeout_s": positive(optional=True),
+    "env.python.cpu_s": integer(1, optional=True),
+    "env.python.memory_bytes": integer(1, optional=True),
+    "env.python.stdout_chars": integer(1, optional=True),
+    "env.python.max_concurrent": integer(1, optional=True, note="sandboxes running at once"),
+    "env.python.queue_timeout_s": positive(optional=True),
     "env.invalid_action": text("error_observation", "end"),
     "env.few_shot": integer(0, note="0: no worked examples"),
     "env.tool_rendering": text("json", "compact", optional=True),  # models/chat.py TOOL_RENDERINGS
@@ -309,7 +317,12 @@ FIELDS: dict[str, Field] = {
     "rl.tree_grpo.rounds": integer(0, jobs=RL),
     "rl.tree_grpo.keep": integer(1, jobs=RL),  # tree_grpo.read: at most 1 + n * rounds
     "rl.tree_grpo.combine": text("sum", "nested", "intra", "inter", jobs=RL),
-    "algorithm": text("portool", "grpo", "grpo_fm", "dapo", "arpo", "arpo_fm", "gigpo", "tree_grpo", jobs=RL),  # algorithms/base.py ALGORITHMS
+    "rl.torl.eps_low": number(**EPS_LOW, jobs=RL),
+    "rl.torl.eps_high": number(0, jobs=RL),
+    "rl.torl.agg": text(*LOSS_AGGS, jobs=RL),
+    "rl.torl.ddof": integer(**DDOF, jobs=RL),
+    "algorithm": text("portool", "grpo", "grpo_fm", "dapo", "arpo", "arpo_fm", "gigpo", "tree_grpo", "torl",
+                      jobs=RL),  # algorithms/base.py ALGORITHMS
 
     # both training jobs (algorithms/offline.py optimizer_config)
     "optimizer.learning_rate": positive(jobs=TRAINING),

@@ -10,6 +10,10 @@ action becomes an error observation (or ends the episode, by policy).
 * `ToolCallEnv` — PORTool: `<think>...</think><tool_call>[...]</tool_call>`; several
   independent calls per step, run concurrently; the observation is a tool message,
   rendered by the checkpoint's chat template; `response_gen(answer)` ends the episode.
+* `CodeEnv` (agents/code_env.py) — ToRL: reasoning with ```python blocks run at ```output.
+
+An environment may set `max_tool_calls`: the tool calls one episode may make (the rollout runs
+none past it, and hands `outcome` the results of those it ran).
 """
 from __future__ import annotations
 
@@ -51,13 +55,16 @@ class Task:
 
 @dataclasses.dataclass
 class ActionOutcome:
-    kind: str  # "search" | "math" | "answer" | "tool_call" | "invalid"
+    kind: str  # "search" | "math" | "answer" | "tool_call" | "invalid"; the code format: "code" | "text"
     calls: list[ToolCall]
     results: list[ToolResult]
     observation_text: str
     final_answer: Optional[str]
     problems: list[str]
     format_checks: dict
+    # The episode ends after this action even without a final answer (the code format: a response
+    # that ended without asking for output); a final answer always ends it.
+    ends_episode: bool = False
 
 
 _SWIRL_ACTIONS = {

@@ -69,7 +69,7 @@ class Trajectory:
     steps: list[Step] = dataclasses.field(default_factory=list)
     reference_answer: Any = None
     final_answer: Optional[str] = None
-    termination: str = ""  # "answer" | "step_cap" | "context" | "unparseable"
+    termination: str = ""  # "answer" | "step_cap" | "context" | "unparseable" | "no_answer"
     judgements: dict = dataclasses.field(default_factory=dict)
     metadata: dict = dataclasses.field(default_factory=dict)
 

@@ -401,6 +401,9 @@ class RolloutEngine:
         action_text = (generation.text or "") + generation.text_after_stop
         parsed = env.parse(action_text)
         calls = env.calls_for(parsed)
+        budget = getattr(env, "max_tool_calls", None)
+        if budget is not None:  # the episode's calls so far count against it; `outcome` sees fewer results
+            calls = calls[:max(0, budget - sum(len(s.tool_calls) for s in branch.steps))]
         t0 = time.perf_counter()
         results = env.registry_for(task).execute([c.to_json() for c in calls]) if calls else []
         results = [clip_result(r, self.config.max_result_chars) for r in results]
@@ -417,15 +420,17 @@ class RolloutEngine:
             action_entropies=None if generation.entropies is None else [float(x) for x in generation.entropies],
             generate_s=generate_s, tool_s=tool_s)
         branch.steps.append(step)
-        self._settle(branch, step, outcome.final_answer)
+        self._settle(branch, step, outcome.final_answer, outcome.ends_episode)
         return step
 
-    def _settle(self, branch: Branch, step: Step, final_answer: Optional[str]) -> None:
+    def _settle(self, branch: Branch, step: Step, final_answer: Optional[str], ends: bool = False) -> None:
         """Decide whether the branch ends after `step`, and why."""
         if final_answer is not None:
             branch.done, branch.termination, branch.final_answer = True, "answer", final_answer
         elif step.finish_reason == "context":
             branch.done, branch.termination = True, "context"
+        elif ends:  # the environment ends the episode without a final answer
+            branch.done, branch.termination = True, "no_answer"
         elif step.kind == "invalid" and self.env.invalid_action == "end":
             branch.done, branch.termination = True, "unparseable"
         elif len(branch.steps) >= self.config.max_steps:

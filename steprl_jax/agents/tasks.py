@@ -1,8 +1,9 @@
 """From a config to (tasks, environment, outcome rule): the task families the main job knows; and
 from `config.rollout` to the rollout engine's settings (`rollout_config`).
 
-* arithmetic — the built-in word problems (calculator, tag format)
-* gsm8k      — GSM8K JSONL (calculator, tag format)
+* arithmetic — the built-in word problems (calculator, tag format; or ToRL's code format with
+               the Python sandbox: env.format "code", env.tools ("python",))
+* gsm8k      — GSM8K JSONL (the same two formats)
 * hotpotqa   — HotPotQA JSONL (BM25 search over its context paragraphs, tag format)
 * toolworld  — the seeded assistant tool world (think + tool_call format), per-episode tools
 """
@@ -21,7 +22,7 @@ from steprl_jax.tools.registry import ToolRegistry
 @dataclasses.dataclass
 class TaskSuite:
     tasks: list[Task]
-    env: object  # TaggedEnv | ToolCallEnv
+    env: object  # TaggedEnv | ToolCallEnv | CodeEnv
     # (task, trajectory) -> "true" | "false" | "unable_to_answer"
     outcome_rule: Callable
 
@@ -87,9 +88,15 @@ def build_suite(config, split: str | None = None) -> TaskSuite:
         from steprl_jax.data.arithmetic import arithmetic_problems
 
         # Worked examples from a seed no evaluation set uses.
-        examples = [p.demonstration() for p in arithmetic_problems(8, seed=10_007)[1:1 + int(config.env.few_shot)]]
+        shown = arithmetic_problems(8, seed=10_007)[1:1 + int(config.env.few_shot)]
+        if config.env.format == "code":
+            return _code_suite(config, tasks, [p.code_demonstration() for p in shown])
+        examples = [p.demonstration() for p in shown]
         return TaskSuite(tasks, _tagged_env(config, search_index=None, examples=examples),
                          lambda task, traj: rules.gsm8k_outcome(traj.final_answer, task.reference))
+    if config.env.format == "code":
+        raise ConfigError(f"config.env.format: the code format runs the math tasks (arithmetic, gsm8k), "
+                          f"not task.name={name!r}")
     if name == "hotpotqa":
         from steprl_jax.data.hotpotqa import load_hotpotqa
         from steprl_jax.tools.search import BM25Search
@@ -148,6 +155,38 @@ def _math_tasks(config) -> list[Task]:
     offset = int(config.task.offset)
     return [Task(f"gsm8k-{offset + i}", p.question, p.answer)
             for i, p in enumerate(_select(problems, config, config.task.path))]
+
+
+def sandbox_settings(config):
+    """The Python sandbox's limits from `config.env.python` (tools/python_sandbox.py defaults for
+    the fields it leaves out)."""
+    from steprl_jax.tools.python_sandbox import SandboxSettings
+
+    p = config.env.get("python", {})
+    fields = dict(wall_timeout_s=float, cpu_s=int, memory_bytes=int, stdout_chars=int, max_concurrent=int,
+                  queue_timeout_s=float)
+    values = {name: kind(p[name]) for name, kind in fields.items() if name in p}
+    for name, value in values.items():
+        if value <= 0:
+            raise ConfigError(f"config.env.python.{name} must be > 0, got {value}")
+    return SandboxSettings(**values)
+
+
+def _code_suite(config, tasks: list[Task], examples) -> TaskSuite:
+    """ToRL's code format with the Python sandbox; outcome: math-verify of the response's last
+    \\boxed{} against the reference (true +1, wrong or missing false -1)."""
+    from steprl_jax.agents.code_env import PYTHON_TOOL, CodeEnv, response_answer
+    from steprl_jax.tools.python_sandbox import python_tool
+
+    if tuple(config.env.tools) != (PYTHON_TOOL,):
+        raise ConfigError(f"config.env.tools: the code format runs ({PYTHON_TOOL!r},), got {tuple(config.env.tools)}")
+    max_calls = int(config.env.get("max_tool_calls", 1))
+    if max_calls < 0:
+        raise ConfigError(f"config.env.max_tool_calls must be >= 0, got {max_calls}")
+    settings = sandbox_settings(config)
+    registry = ToolRegistry([python_tool(settings)], max_workers=int(config.rollout.tool_workers))
+    env = CodeEnv(registry, max_tool_calls=max_calls, examples=examples)
+    return TaskSuite(tasks, env, lambda task, traj: rules.math_verify_outcome(response_answer(traj), task.reference))
 
 
 def _tagged_env(config, search_index, examples=()) -> TaggedEnv:

@@ -16,6 +16,9 @@ of `ALGORITHMS` below, its config section (configs/, config_schema.py) and its t
                 group only when it is informative
     sampling_rounds  settings -> how many rounds of queries the loop may roll out to fill a batch
                 whose groups `keep` dropped (1 without `keep`)
+    formats     the action formats (`config.env.format`) the method trains on: "tool_call"
+                (PORTool's think + tool_call steps, R_fm, response_gen) by default; "code" (ToRL's
+                python blocks run at ```output, agents/code_env.py)
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ class Algorithm:
     loss: Callable
     keep: Optional[Callable] = None
     sampling_rounds: Callable[[Any], int] = lambda settings: 1
+    formats: tuple = ("tool_call",)
 
 
 def policy_temperature(config) -> float:
@@ -56,6 +60,7 @@ ALGORITHMS = {
     "arpo_fm": "arpo:ARPO_FM",
     "gigpo": "gigpo:GIGPO",
     "tree_grpo": "tree_grpo:TREE_GRPO",
+    "torl": "torl:TORL",
 }
 
 

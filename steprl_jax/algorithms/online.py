@@ -90,9 +90,9 @@ def read_settings(config) -> OnlineSettings:
             raise ConfigError(f"config.rl.{name} must be >= 1, got {rl[name]}")
     if int(config.rollout.tree.n) < 1:
         raise ConfigError(f"config.rollout.tree.n (trajectories per query) must be >= 1, got {config.rollout.tree.n}")
-    if config.env.format != "tool_call":
-        raise ConfigError(f"config.env.format: online RL runs the tool_call format (R_fm, response_gen); "
-                          f"got {config.env.format!r}")
+    if config.env.format not in algorithm.formats:
+        raise ConfigError(f"config.env.format: {algorithm.name} trains on the {' or '.join(algorithm.formats)} "
+                          f"format; got {config.env.format!r}")
     method = algorithm.read(config)
     steps = int(rl.iterations) * int(rl.ppo_epochs) * int(rl.minibatches)
     learner = LearnerSettings(

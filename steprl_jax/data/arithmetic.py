@@ -6,10 +6,12 @@ can be rendered in SWiRL's tag format.
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
+import operator
 import random
 
-from steprl_jax.data.demonstrations import Demonstration, tagged_demonstration
+from steprl_jax.data.demonstrations import Demonstration, code_demonstration, tagged_demonstration
 from steprl_jax.tools.calculator import calculate
 
 
@@ -22,6 +24,27 @@ class ArithmeticProblem:
 
     def demonstration(self) -> Demonstration:
         return tagged_demonstration(self.question, [("math", e, calculate(e)) for e in self.steps], self.answer)
+
+    def code_demonstration(self) -> Demonstration:
+        """The same solution in ToRL's code format: one block printing every step."""
+        return code_demonstration(self.question, list(self.steps), [python_printed(e) for e in self.steps],
+                                  self.answer)
+
+
+_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+
+def python_printed(expression: str) -> str:
+    """What `print(expression)` shows for a gold step (integers, + - * /): `72 / 8` -> `9.0`."""
+
+    def value(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+            return _OPERATORS[type(node.op)](value(node.left), value(node.right))
+        raise ValueError(f"not a gold arithmetic step: {expression!r}")
+
+    return str(value(ast.parse(expression, mode="eval").body))
 
 
 def _templates():

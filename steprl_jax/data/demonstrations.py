@@ -1,4 +1,4 @@
-"""Expert demonstrations in the two action formats, as text segments another module can tokenise.
+"""Expert demonstrations in the action formats, as text segments another module can tokenise.
 
 A demonstration is a prompt followed by steps; each step is the action text (what the
 policy would generate) and the observation text appended after it (empty after the final
@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from steprl_jax.tools.code_format import render_code_action, render_observation
 from steprl_jax.tools.formats import (
     render_tagged_action, render_tagged_observation, render_tool_call_step, render_tool_responses)
 from steprl_jax.tools.protocol import ToolResult
@@ -25,7 +26,7 @@ class DemoStep:
 class Demonstration:
     prompt: str
     steps: tuple[DemoStep, ...]
-    format: str  # "tags" | "tool_call"
+    format: str  # "tags" | "tool_call" | "code"
 
     def as_text(self) -> str:
         return self.prompt + "\n" + "".join(step.action + step.observation for step in self.steps)
@@ -46,6 +47,14 @@ def tagged_demonstration(question: str, steps: list[tuple[str, str, str]], answe
                 for kind, content, result in steps]
     rendered.append(DemoStep(render_tagged_action("answer", answer)))
     return Demonstration(question, tuple(rendered), "tags")
+
+
+def code_demonstration(question: str, expressions: list[str], outputs: list[str], answer: str) -> Demonstration:
+    """ToRL's code format: one python block printing each expression, its output (`outputs`, one
+    line per expression, as Python prints them), then the boxed answer."""
+    code = "\n".join(f"print({e})" for e in expressions)
+    run = DemoStep(render_code_action("Let me compute this with Python.", code), render_observation("\n".join(outputs)))
+    return Demonstration(question, (run, DemoStep(f"The answer is \\boxed{{{answer}}}.")), "code")
 
 
 def _thought(calls) -> str:

@@ -7,9 +7,9 @@
 
 role: "process" (GOOD/BAD, SWiRL filtering and step reward), "outcome" (YES/NO against the answer
 key) or "trajectory" (PORTool's true / false / unable_to_answer).
-kind: "rule" (rules.py; `rule` names the answer check: gsm8k | hotpotqa | toolworld), "local" (our
-sampler: `model` is a load_pretrained source, or pass `local_model=(model, tokenizer)`), "http" (an
-OpenAI-compatible endpoint). Keys that do not apply to the kind are ignored; unknown keys are errors,
+kind: "rule" (rules.py; `rule` names the answer check: gsm8k | hotpotqa | toolworld | math_verify),
+"local" (our sampler: `model` is a load_pretrained source, or pass `local_model=(model, tokenizer)`),
+"http" (an OpenAI-compatible endpoint). Keys that do not apply to the kind are ignored; unknown keys are errors,
 so that a typo is not silently a default.
 """
 from __future__ import annotations
@@ -83,7 +83,7 @@ def _rule_judge(config: dict, role: str, rule: str | None):
     settings = _pick(config, _RULE_KEYS)
     settings["rule"] = settings.get("rule", rule)
     if settings["rule"] is None:
-        raise ValueError(f"a rule {role} judge needs `rule` (gsm8k | hotpotqa | toolworld)")
+        raise ValueError(f"a rule {role} judge needs `rule` (gsm8k | hotpotqa | toolworld | math_verify)")
     if not settings.get("partial_f1"):  # 0.0 means off, not "any overlap counts"
         settings["partial_f1"] = None
     return (RuleOutcomeJudge if role == "outcome" else RuleTrajectoryJudge)(**settings)

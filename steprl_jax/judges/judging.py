@@ -23,27 +23,36 @@ from steprl_jax.judges.items import outcome_item, step_items, trajectory_item
 FAILED = "failed"
 # YES/NO of the model outcome judge read as PORTool's verdicts.
 _YES_NO = {"YES": rules.TRUE, "NO": rules.FALSE}
+# How each action format's trajectories are judged: (tree_format: a model outcome judge gives
+# PORTool's true / false / unable_to_answer verdict on the whole trajectory, else YES/NO against
+# the answer key; rule_process: the rule process judge applies, defined for SWiRL's tags only).
+FORMATS = {"tags": (False, True), "tool_call": (True, False), "code": (False, False)}
 
 
 class Judging:
     def __init__(self, *, outcome_judge=None, process_judge=None, outcome_rule: Optional[Callable] = None,
-                 tree_format: bool = False, outcome_kind: str = "rule", process_kind: str = "rule"):
+                 tree_format: bool = False, outcome_kind: str = "rule", process_kind: str = "rule",
+                 rule_process: Optional[bool] = None):
         """`outcome_judge`/`process_judge`: model judges (judges.model_judges) or None for the rule
-        path (`outcome_rule`, and `RuleProcessJudge` for SWiRL's tag actions)."""
+        path (`outcome_rule`, and `RuleProcessJudge` for SWiRL's tag actions when `rule_process`,
+        by default for any format but the tree one)."""
         from steprl_jax.judges.rule_judges import RuleProcessJudge
 
         if outcome_judge is None and outcome_rule is None:
             raise ValueError("Judging needs an outcome judge or an outcome rule")
         self.outcome_judge, self.outcome_rule = outcome_judge, outcome_rule
-        # The rule process judge is defined for SWiRL's tag actions only.
-        self.process_judge = process_judge if process_judge is not None or tree_format else RuleProcessJudge()
+        rule_process = not tree_format if rule_process is None else rule_process
+        self.process_judge = process_judge if process_judge is not None or not rule_process else RuleProcessJudge()
         self.tree_format = tree_format
         self.outcome_kind, self.process_kind = outcome_kind, process_kind
 
     @classmethod
     def from_config(cls, config, *, outcome_rule: Callable, local_model=None) -> "Judging":
-        """From `config.judge.{outcome,process}` (kind rule | local | http) and `config.env.format`."""
-        tree_format = config.env.format == "tool_call"
+        """From `config.judge.{outcome,process}` (kind rule | local | http) and `config.env.format`
+        (`FORMATS`)."""
+        if config.env.format not in FORMATS:
+            raise ValueError(f"config.env.format: {config.env.format!r} is not one of {tuple(FORMATS)}")
+        tree_format, rule_process = FORMATS[config.env.format]
         cache_dir = config.judge.cache_dir or os.path.join(config.workdir, "judge_cache")
         judges = {}
         for role, cfg in (("outcome", config.judge.outcome), ("process", config.judge.process)):
@@ -58,7 +67,7 @@ class Judging:
             judges[role] = kind(backend, votes=int(cfg.votes))
         return cls(outcome_judge=judges["outcome"], process_judge=judges["process"], outcome_rule=outcome_rule,
                    tree_format=tree_format, outcome_kind=config.judge.outcome.kind,
-                   process_kind=config.judge.process.kind)
+                   process_kind=config.judge.process.kind, rule_process=rule_process)
 
     # ------------------------------------------------------------------ batches
     def outcomes(self, pairs: Sequence[tuple[Any, Any]]) -> list[dict]:

@@ -3,6 +3,8 @@
     RuleProcessJudge().judge_steps(items) / RuleOutcomeJudge("gsm8k").judge(items) /
     RuleTrajectoryJudge("toolworld").judge(items)  -> list[Verdict]
 
+Outcome rules by name (`OUTCOME_RULES`): gsm8k, hotpotqa, toolworld, math_verify (ToRL's check).
+
 They are offline stand-ins: deterministic, instant, no votes. A rule judge's `raw` holds its reasons.
 """
 from __future__ import annotations
@@ -18,7 +20,6 @@ from steprl_jax.judges.verdicts import (FAILED_NO_REFERENCE, OUTCOME_REWARDS, PR
                                         Verdict, failed_verdict)
 from steprl_jax.tools.formats import parse_tagged_action
 
-OUTCOME_RULES = ("gsm8k", "hotpotqa", "toolworld")
 _SEARCH_QUERY = re.compile(r"<search_query>(.*?)</search_query>", re.DOTALL)
 
 
@@ -57,14 +58,25 @@ class RuleProcessJudge(_RuleJudge):
         return self.judge(items)
 
 
+def _hotpotqa(predicted, reference, tool_failed, partial_f1, rel_tol) -> str:
+    golds = list(reference) if isinstance(reference, (list, tuple)) else [str(reference)]
+    return rules.hotpotqa_outcome(predicted, golds, partial_f1)
+
+
+# The answer checks by name: (predicted, reference, tool_failed, partial_f1, rel_tol) -> verdict.
+_OUTCOME_CHECKS = {
+    "gsm8k": lambda predicted, reference, *_: rules.gsm8k_outcome(predicted, str(reference)),
+    "hotpotqa": _hotpotqa,
+    "toolworld": lambda predicted, reference, tool_failed, partial_f1, rel_tol:
+        rules.toolworld_outcome(predicted, str(reference), tool_failed, rel_tol),
+    "math_verify": lambda predicted, reference, *_: rules.math_verify_outcome(predicted, str(reference)),
+}
+OUTCOME_RULES = tuple(_OUTCOME_CHECKS)
+
+
 def _rule_outcome(rule: str, predicted: str | None, reference: Any, tool_failed: bool, partial_f1: float | None,
                   rel_tol: float) -> str:
-    if rule == "gsm8k":
-        return rules.gsm8k_outcome(predicted, str(reference))
-    if rule == "hotpotqa":
-        golds = list(reference) if isinstance(reference, (list, tuple)) else [str(reference)]
-        return rules.hotpotqa_outcome(predicted, golds, partial_f1)
-    return rules.toolworld_outcome(predicted, str(reference), tool_failed, rel_tol)
+    return _OUTCOME_CHECKS[rule](predicted, reference, tool_failed, partial_f1, rel_tol)
 
 
 class _OutcomeRule(_RuleJudge):

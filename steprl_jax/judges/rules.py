@@ -44,6 +44,36 @@ def gsm8k_outcome(prediction: str | None, gold: str) -> str:
     return TRUE if value is not None and gold_value is not None and value == gold_value else FALSE
 
 
+# Predictions longer than this are wrong without parsing (sympy on a page of LaTeX can take minutes).
+MAX_VERIFIED_CHARS = 1000
+
+
+def math_verify_outcome(prediction: str | None, gold: str) -> str:
+    """ToRL's check: the predicted answer (the content of a \\boxed{}) equals the gold number by
+    math-verify (`\\frac{144}{2}`, `72.0` and `72` all match gold `72`). A missing answer is false.
+
+    math-verify bounds its work with SIGALRM, which only the main thread may set: elsewhere it runs
+    without that bound (the length cap above stands in)."""
+    import threading
+
+    from math_verify import parse, verify
+
+    gold_value = extract_number(gold if isinstance(gold, str) else str(gold))
+    if not prediction or not isinstance(prediction, str) or gold_value is None:
+        return FALSE
+    if len(prediction) > MAX_VERIFIED_CHARS:
+        return FALSE
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    gold_text = str(gold_value.numerator) if gold_value.denominator == 1 else \
+        f"\\frac{{{gold_value.numerator}}}{{{gold_value.denominator}}}"
+    try:
+        target = parse("\\boxed{" + prediction + "}", parsing_timeout=timeout)
+        reference = parse(f"${gold_text}$", parsing_timeout=timeout)
+        return TRUE if target and verify(reference, target, timeout_seconds=timeout) else FALSE
+    except Exception:  # math-verify's own timeouts and parser failures: not a match
+        return FALSE
+
+
 # ------------------------------------------------------------------ HotPotQA
 def normalize_answer(text: str) -> str:
     """SQuAD/HotPotQA normalisation: lower case, no punctuation, no articles, single spaces."""
