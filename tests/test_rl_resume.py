@@ -21,13 +21,15 @@ from safetensors.numpy import load_file
 
 from resume_helpers import checkpoint_steps, logged_metrics, straight_killed_resumed
 from rl_helpers import VerdictServer, rl_command
-from steprl_jax.algorithms.base import ALGORITHMS as REGISTERED
+from steprl_jax.algorithms.base import ALGORITHMS as REGISTERED, get_algorithm
 from steprl_jax.models import export_hf
 from swirl_helpers import smol_tokenizer, tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FULL = os.environ.get("STEPRL_JAX_RESUME_MATRIX") == "1"  # launch/rl_resume_matrix.sh
-ALGORITHMS = tuple(REGISTERED) if FULL else ("portool", "grpo", "dapo", "arpo", "gigpo", "tree_grpo")
+# The tool world's runs: every method that trains on its format (torl's code format: tests/test_torl.py).
+ON_TOOLWORLD = tuple(name for name in REGISTERED if "tool_call" in get_algorithm(name).formats)
+ALGORITHMS = ON_TOOLWORLD if FULL else ("portool", "grpo", "dapo", "arpo", "gigpo", "tree_grpo")
 KILLED = ALGORITHMS if FULL else ("portool",)  # the others: an uninterrupted run only
 ITERATIONS = 2
 TIMEOUT_S = 400  # a run's wall-clock limit
