@@ -267,6 +267,7 @@ def test_one_online_iteration_of_torl(tmp_path):
     from steprl_jax.training.metrics_log import read_metrics
 
     c = _torl_config(tmp_path)
+    c.rl.eval.num_tasks = 2  # the held-out evaluation judges the code format too
     config_schema.check(c)
     tokenizer = smol_tokenizer()
     summary = online.run(c, (tiny_model(tokenizer), tokenizer))
@@ -278,3 +279,8 @@ def test_one_online_iteration_of_torl(tmp_path):
     with open(tmp_path / "rollouts" / "iter_00000.jsonl") as f:
         trees = [json.loads(line) for line in f]
     assert len(trees) == 2 and all(v["label"] == "false" for t in trees for v in t["leaf_verdicts"].values())
+    with open(tmp_path / "eval" / "iter_00001.metrics.json") as f:
+        evaluated = json.load(f)
+    ci = evaluated["ci"]
+    assert ci["accuracy"]["value"] == 0.0 and ci["accuracy"]["n"] == 2
+    assert ci["format_reward"]["value"] is None and ci["process_correctness"]["value"] is None  # no R_fm, no tag judge
