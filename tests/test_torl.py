@@ -262,6 +262,28 @@ def test_the_code_format_needs_the_python_tool_and_a_math_task(tmp_path):
         build_suite(c)
 
 
+def test_torl_trains_each_response_token_on_its_group_z_score(tmp_path):
+    from steprl_jax.agents.records import Step
+    from steprl_jax.algorithms.base import get_algorithm
+
+    torl = get_algorithm("torl")
+    settings = torl.read(_torl_config(tmp_path))
+    loss = torl.loss(settings)
+    assert (loss.eps_low, loss.eps_high, loss.kl_coef, loss.entropy_coef) == (0.2, 0.2, 0.0, 0.0)
+
+    def steps():  # a code run (2 action tokens, 1 output token) then the answer (1 token)
+        return [Step("a", [1, 2], [0.0, 0.0], observation_text="o", observation_ids=[3]), Step("b", [4], [0.0])]
+
+    record = TreeRecord.from_group("t", [Trajectory(f"e{i}", "q", "q", "", [9, 9], steps(), "72") for i in range(4)])
+    record.leaf_outcomes = {str(leaf): r for leaf, r in zip(record.leaves(), (1.0, -1.0, -1.0, -1.0))}
+    rows, metrics = torl.build([record], settings)
+    # rewards (1, -1, -1, -1): mean -0.5, sample std 1 (ddof 1): advantages 1.5 and -0.5, over (std + 1e-6)
+    trained = [(w, a) for row in rows for w, a in zip(row.flat()[1], row.flat()[3]) if w > 0]
+    assert len(trained) == 4 * 3 and {w for w, _ in trained} == {1.0}  # every action token, weight 1: token mean
+    assert sorted(a for _, a in trained) == pytest.approx([-0.5 / (1 + 1e-6)] * 9 + [1.5 / (1 + 1e-6)] * 3)
+    assert metrics["reward"] == -0.5
+
+
 def test_one_online_iteration_of_torl(tmp_path):
     from steprl_jax import config_schema
     from steprl_jax.training.metrics_log import read_metrics
