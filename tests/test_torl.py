@@ -180,6 +180,23 @@ def test_a_stop_without_a_block_is_an_error_and_a_response_cut_without_a_box_has
         engine.close()
 
 
+def test_the_worked_examples_show_what_the_sandbox_prints(tokenizer):
+    """Each code-format demonstration's output is what its block prints when run, and the
+    demonstration parses as a run followed by the boxed answer."""
+    from steprl_jax.data.arithmetic import arithmetic_problems
+
+    engine = _engine(tokenizer)
+    try:
+        for problem in arithmetic_problems(9, seed=10_007):  # every template, the division one included
+            run, answer = problem.code_demonstration().steps
+            branch, _ = _branch(engine, Task(problem.id, problem.question, problem.answer))
+            step = _act(engine, branch, run.action)
+            assert step.kind == "code" and step.observation_text == run.observation, problem.question
+            assert code_format.parse_code_action(answer.action).answer == problem.answer
+    finally:
+        engine.close()
+
+
 # ---- the outcome -----------------------------------------------------------------------------
 @pytest.mark.parametrize("prediction, label", [
     ("72", "true"), ("72.0", "true"), ("\\frac{144}{2}", "true"), ("1,000", "false"), ("73", "false"),
@@ -259,6 +276,10 @@ def test_the_code_format_needs_the_python_tool_and_a_math_task(tmp_path):
     c = _torl_config(tmp_path)
     c.env.python.wall_timeout_s = 0.0
     with pytest.raises(ValueError, match="config.env.python.wall_timeout_s must be > 0"):
+        build_suite(c)
+    c = _torl_config(tmp_path)
+    c.task.name = "toolworld"
+    with pytest.raises(ValueError, match="config.env.format: the code format runs the math tasks"):
         build_suite(c)
 
 

@@ -10,7 +10,11 @@ At most `max_tool_calls` runs per response (C; ToRL's script sets 1). After them
 stops at ```output is not run and gets an EMPTY observation, so the next generation call simply
 continues the text: token for token what ToRL does when it drops the stop string for its last
 call (the rollout enforces the budget: agents/rollout.py). An action that stops at ```output
-without a complete block is an error observation; unlike ToRL, it spends no call.
+without a complete block is an error observation (past the budget too); unlike ToRL, which appends
+"\n" and spends a call, it spends none. Each ```output ends an action, so `rollout.max_steps`
+bounds the runs plus the stops after them; ToRL has no such cap, only its response tokens.
+ToRL also puts a newline before ```output when the text before it has none; the sampler has
+already written the stop string here, so the action stays as sampled.
 
 An action that ends without the stop string (end of turn, or the token cap) ends the episode. The
 response's final answer is its last \\boxed{...}: the outcome rule reads it from the whole
