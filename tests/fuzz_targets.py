@@ -43,7 +43,9 @@ from steprl_jax.judges.http_backend import _read_choices, _Retryable
 from steprl_jax.judges.verdicts import (
     FAILED_TIE, FAILED_UNPARSED, OUTCOME_LABELS, OUTCOME_REWARDS, PROCESS_LABELS, PROCESS_REWARDS,
     TRAJECTORY_LABELS, TRAJECTORY_REWARDS, Verdict, majority, parse_label)
+from steprl_jax.tools import code_format
 from steprl_jax.tools.calculator import calculate, calculator_tool
+from steprl_jax.tools.code_format import CodeAction, parse_code_action
 from steprl_jax.tools.formats import (
     ACTION_TAGS, DEFAULT_FORMAT_CAP, FORMAT_CHECKS, STEP_PROBLEMS, TAG_PROBLEMS, ToolCallStep, TaggedAction,
     formatting_checks, formatting_reward, parse_tagged_action, parse_tool_call_step, render_tagged_action, render_tool_responses)
@@ -443,6 +445,33 @@ def tagged_text(src: Source) -> str:
         body = small_text(src) if src.chance(70) else expression(src)
         pieces.append(src.pick((f"<{tag}>{body}</{tag}>", f"<{tag}>{body}", f"{body}</{tag}>",
                                 f"<{tag}>{body}<{tag}>")))
+        pieces.append(small_text(src))
+    text = "".join(pieces)
+    return mutate(src, text) if src.chance(30) else text
+
+
+# --- tools.code_format: ToRL's python blocks
+def check_code_action(text: str) -> None:
+    """A CodeAction: stopped exactly when the stop string is there; code only before a stop; the
+    answer's braces balance; the shown output is at most 128 + 3 + 128 characters."""
+    action = parse_code_action(text)
+    expect(isinstance(action, CodeAction), f"returned {type(action).__name__}")
+    expect(action.stopped == (code_format.OUTPUT_STOP in text), f"stopped {action.stopped}")
+    expect(action.code is None or (action.stopped and isinstance(action.code, str)), "code without a stop")
+    depth = 0
+    for ch in action.answer or "":
+        depth += {"{": 1, "}": -1}.get(ch, 0)
+        expect(depth >= 0, f"answer {action.answer!r} closes a brace it did not open")
+    expect(depth == 0, f"answer {action.answer!r} leaves a brace open")
+    expect(len(code_format.format_output(text)) <= 259, "output shown longer than 128 + ... + 128")
+
+
+def code_text(src: Source) -> str:
+    pieces = [small_text(src)]
+    for _ in range(src.integer(0, 4)):
+        body = expression(src) if src.chance(50) else small_text(src)
+        pieces.append(src.pick((f"\n```python\nprint({body})\n```\n", f"```python\n{body}\n", f"\\boxed{{{body}}}",
+                                f"\\boxed{{{body}", "}", "```output", "\n```\n")))
         pieces.append(small_text(src))
     text = "".join(pieces)
     return mutate(src, text) if src.chance(30) else text
@@ -903,6 +932,7 @@ def request_tools(src: Source) -> Any:
 TARGETS: dict[str, Target] = {t.name: t for t in [
     Target("formats.tagged_action", check_tagged_action, tagged_text, lambda s: s, 250),
     Target("formats.tool_call_step", check_tool_call_step, step_text, lambda s: s, 250),
+    Target("code_format.action", check_code_action, code_text, lambda s: s, 250),
     Target("calculator", check_calculator, lambda src: expression(src) if src.chance(80) else adversarial_text(src),
            lambda s: s, 400, weight=6, cpu_limit_s=1.0),
     Target("calculator.tool", check_calculator_tool, calculator_arguments, lambda s: {"expression": s}, 150),

@@ -52,8 +52,9 @@ def math_verify_outcome(prediction: str | None, gold: str) -> str:
     """ToRL's check: the predicted answer (the content of a \\boxed{}) equals the gold number by
     math-verify (`\\frac{144}{2}`, `72.0` and `72` all match gold `72`). A missing answer is false.
 
-    math-verify bounds its work with SIGALRM, which only the main thread may set: elsewhere it runs
-    without that bound (the length cap above stands in)."""
+    math-verify bounds its work with SIGALRM, which only the main thread may set (the loops judge
+    there): 1 s to parse and 1 s to compare (sympy on \\boxed{9^{9^{9^9}}} would run for minutes).
+    Elsewhere it runs without that bound; only the length cap above stands in."""
     import threading
 
     from math_verify import parse, verify
@@ -63,7 +64,7 @@ def math_verify_outcome(prediction: str | None, gold: str) -> str:
         return FALSE
     if len(prediction) > MAX_VERIFIED_CHARS:
         return FALSE
-    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    timeout = 1 if threading.current_thread() is threading.main_thread() else None
     gold_text = str(gold_value.numerator) if gold_value.denominator == 1 else \
         f"\\frac{{{gold_value.numerator}}}{{{gold_value.denominator}}}"
     try:

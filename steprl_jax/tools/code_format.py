@@ -19,6 +19,7 @@ writing it) runs nothing, even after an earlier complete block, as ToRL's `extra
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Optional
 
 OUTPUT_STOP = "```output"  # the stop string; it stays in the action (trained, as in ToRL)
@@ -27,6 +28,8 @@ CODE_OPEN = "```python"
 CODE_CLOSE = "```"
 ELIDED_CHARS = 256  # outputs this long or longer are shown as their head and tail, 128 characters each
 _HEAD_TAIL = 128
+_BOX = re.compile(r"\\boxed\{")
+_BRACES = re.compile(r"[{}]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,29 +64,22 @@ def last_python_block(text: str) -> Optional[str]:
 def last_boxed(text: Any) -> Optional[str]:
     """The content of the last \\boxed{...} of `text` whose braces balance (nested braces kept:
     \\boxed{\\frac{1}{2}} -> \\frac{1}{2}); None when there is none. A box cut off before its
-    closing brace is skipped for the last complete one before it."""
+    closing brace is skipped for the last complete one before it. One pass over the braces, so a
+    page of unclosed boxes costs no more than its length."""
     if not isinstance(text, str):
         return None
-    end = len(text)
-    while True:
-        start = text.rfind("\\boxed{", 0, end)
-        if start < 0:
-            return None
-        content = _balanced(text, start + len("\\boxed{"))
-        if content is not None:
-            return content
-        end = start
-
-
-def _balanced(text: str, begin: int) -> Optional[str]:
-    depth = 1
-    for i in range(begin, len(text)):
-        if text[i] == "{":
-            depth += 1
-        elif text[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[begin:i]
+    opens = [m.end() - 1 for m in _BOX.finditer(text)]  # the position of each box's "{"
+    if not opens:
+        return None
+    closing, stack = {}, []
+    for brace in _BRACES.finditer(text):
+        if brace.group() == "{":
+            stack.append(brace.start())
+        elif stack:
+            closing[stack.pop()] = brace.start()
+    for start in reversed(opens):
+        if start in closing:
+            return text[start + 1:closing[start]]
     return None
 
 
