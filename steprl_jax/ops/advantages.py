@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from steprl_jax.ops.flow_grpo import flow_advantages
 from steprl_jax.ops.gigpo import gigpo_advantages
 from steprl_jax.ops.tree_grpo import tree_grpo_advantages
 
@@ -245,6 +246,7 @@ ADVANTAGES: Dict[str, Callable] = {
     "portool": tree_advantages,
     "gigpo": gigpo_advantages,
     "tree_grpo": tree_grpo_advantages,
+    "flow_grpo": flow_advantages,  # one query's rollouts of planner-call rows (ops/flow_grpo.py)
 }
 GROUP_ESTIMATORS = ("zscore", "rloo", "dr_grpo")
 
