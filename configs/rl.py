@@ -64,4 +64,14 @@ def rl_config() -> ConfigDict:
         # ToRL (GAIR-NLP/ToRL's torl_1.5b.sh): GRPO, symmetric clip 0.2, no KL, verl's token mean,
         # torch.std; runs the code format (configs/torl_arithmetic.py).
         torl=ConfigDict(dict(eps_low=0.2, eps_high=0.2, agg="token_mean", ddof=1)),
+        # Flow-GRPO (AgentFlow's train/config.yaml): planner turns 3, clip 0.2 / 0.3, KL loss 0.001 to
+        # the initial policy, torch.std; normalize "rollout" (the paper, Agent Lightning 1.0) or "row"
+        # (AgentFlow's published code). The frozen modules: "base" (the initial policy) or "http"
+        # (an OpenAI-compatible endpoint); memory_chars: how much of a command or result the memory
+        # shows. Runs the flow format (configs/flow_grpo_arithmetic.py).
+        flow_grpo=ConfigDict(dict(
+            max_turns=3, normalize="rollout", eps_low=0.2, eps_high=0.3, kl_coef=0.001, ddof=1, memory_chars=400,
+            tools=("Python_Coder_Tool", "Base_Generator_Tool"),
+            frozen=ConfigDict(dict(kind="base", base_url="", model="", api_key_env="", timeout_s=60.0,
+                                   temperature=0.0, max_tokens=256)))),
     ))

@@ -158,8 +158,9 @@ FIELDS: dict[str, Field] = {
     "task.corpus_path": text(optional=True, note="'': task.path"),  # hotpotqa
     "task.search_top_k": integer(1, optional=True),  # hotpotqa
 
-    "env.format": text("tags", "tool_call", "code"),
-    "env.tools": names("calculator", "search", "python", note="the tag format's tools; the code format's python"),
+    "env.format": text("tags", "tool_call", "code", "flow"),
+    "env.tools": names("calculator", "search", "python",
+                       note="the tag format's tools; the code and flow formats' python"),
     # the code format (agents/code_env.py): runs per response, and the Python sandbox's limits
     "env.max_tool_calls": integer(0, optional=True, note="0: no code runs"),
     "env.python.wall_timeout_s": positive(optional=True),
@@ -321,8 +322,23 @@ FIELDS: dict[str, Field] = {
     "rl.torl.eps_high": number(0, jobs=RL),
     "rl.torl.agg": text(*LOSS_AGGS, jobs=RL),
     "rl.torl.ddof": integer(**DDOF, jobs=RL),
+    "rl.flow_grpo.max_turns": integer(1, jobs=RL),
+    "rl.flow_grpo.normalize": text("rollout", "row", jobs=RL),
+    "rl.flow_grpo.eps_low": number(**EPS_LOW, jobs=RL),
+    "rl.flow_grpo.eps_high": number(0, jobs=RL),
+    "rl.flow_grpo.kl_coef": number(0, jobs=RL, note="0: no KL"),
+    "rl.flow_grpo.ddof": integer(**DDOF, jobs=RL),
+    "rl.flow_grpo.memory_chars": integer(16, jobs=RL),
+    "rl.flow_grpo.tools": names("Python_Coder_Tool", "Base_Generator_Tool", nonempty=True, jobs=RL),
+    "rl.flow_grpo.frozen.kind": text("base", "http", jobs=RL),
+    "rl.flow_grpo.frozen.base_url": text(jobs=RL, note="'': needed only by kind http"),
+    "rl.flow_grpo.frozen.model": text(jobs=RL, note="'': needed only by kind http"),
+    "rl.flow_grpo.frozen.api_key_env": text(jobs=RL, note="'': no key"),
+    "rl.flow_grpo.frozen.timeout_s": positive(jobs=RL),
+    "rl.flow_grpo.frozen.temperature": number(0, 2, jobs=RL, note="0: greedy"),
+    "rl.flow_grpo.frozen.max_tokens": integer(1, jobs=RL),
     "algorithm": text("portool", "grpo", "grpo_fm", "dapo", "arpo", "arpo_fm", "gigpo", "tree_grpo", "torl",
-                      jobs=RL),  # algorithms/base.py ALGORITHMS
+                      "flow_grpo", jobs=RL),  # algorithms/base.py ALGORITHMS
 
     # both training jobs (algorithms/offline.py optimizer_config)
     "optimizer.learning_rate": positive(jobs=TRAINING),

@@ -1,8 +1,13 @@
-"""Flow-GRPO (AgentFlow): the advantage math (ops/flow_grpo.py), hand-computed."""
+"""Flow-GRPO (AgentFlow): the advantage math (ops/flow_grpo.py), hand-computed; the planner-step
+parser and the memory (agents/flow.py); the flow rollout (agents/schedules/flow.py) with a tiny
+random planner, frozen modules behind a real OpenAI-compatible endpoint on 127.0.0.1
+(tests/chat_stub.py) or the tiny base model itself, and the real Python sandbox; the method's
+batch (algorithms/flow_grpo.py) and one online iteration end to end."""
 import math
 
 import pytest
 
+from steprl_jax.agents import flow
 from steprl_jax.ops.flow_grpo import flow_advantages, rollout_total_weights
 
 
@@ -52,3 +57,199 @@ def test_failed_verdicts_and_empty_rollouts_count_nowhere_and_a_tie_has_no_signa
     assert flow_advantages([1.0], [[2]], normalize="rollout")[0].advantage == 0.0  # one member, ddof 1
     with pytest.raises(ValueError, match="normalize"):
         flow_advantages([1.0], [[1]], normalize="token")
+
+
+# ---- the planner's step, the memory and the frozen modules' replies ------------------------
+def test_the_planner_step_parser_reads_the_last_sections_and_matches_tools_leniently():
+    reply = ("Justification: a product is needed.\n**Context:** 6 apples, 7 boxes\n**Sub-Goal:** Compute 6*7.\n"
+             "**Tool Name:** python coder tool\n")
+    step = flow.parse_planner_step(reply, flow.TOOLS)
+    assert step == flow.PlannerStep("a product is needed.", "6 apples, 7 boxes", "Compute 6*7.", flow.PYTHON_CODER)
+    # the last match wins; the tool name is its section's first line; underscores and case do not matter
+    twice = "Context: a\nSub-Goal: b\nTool Name: Nope\nContext: c\nSub-goal: d\nTool_Name: base_generator_TOOL\nwhy"
+    last = flow.parse_planner_step(twice, flow.TOOLS)
+    assert (last.context, last.sub_goal, last.tool_name, last.problem) == ("c", "d", flow.GENERATOR, None)
+    assert flow.parse_planner_step("Context: a Sub-Goal: b Tool Name: Google_Search_Tool", flow.TOOLS).problem \
+        == "unknown_tool"
+    for bad in ("", "no sections at all", None, "Sub-Goal: b\nTool Name: Python_Coder_Tool"):
+        assert flow.parse_planner_step(bad, flow.TOOLS).problem == "no_step"
+
+
+def test_memory_renders_each_step_compactly_with_long_results_clipped():
+    assert flow.render_memory([]) == "None"
+    entries = [flow.MemoryEntry(flow.PYTHON_CODER, "Compute 6*7.", "print(6*7)", "42"),
+               flow.MemoryEntry(flow.GENERATOR, "Say it.", "Say it.", "x" * 1000)]
+    text = flow.render_memory(entries, result_chars=50)
+    assert text.startswith("Action Step 1:\n  Tool: Python_Coder_Tool\n  Sub-Goal: Compute 6*7.\n"
+                           "  Command: print(6*7)\n  Result: 42\nAction Step 2:\n")
+    assert "  Result: " + "x" * 22 + " ... " + "x" * 22 in text and len(text) < 300
+    assert flow.render_entry(entries[0]) in text
+
+
+def test_the_frozen_modules_replies_are_read_as_the_reference_reads_them():
+    assert flow.parse_conclusion("All there.\nConclusion: **STOP**") == flow.STOP
+    assert flow.parse_conclusion("Conclusion: STOP? no. Conclusion: CONTINUE") == flow.CONTINUE
+    assert flow.parse_conclusion("we must stop now") == flow.STOP
+    assert flow.parse_conclusion("unclear") == flow.CONTINUE
+    assert flow.parse_command("Generated Command:\n```python\nx = 6 * 7\nprint(x)\n```") == "x = 6 * 7\nprint(x)"
+    assert flow.parse_command("print(42)") is None
+    assert flow.final_answer("so <answer>1</answer> no <answer> 42 </answer>") == "42"
+    assert flow.final_answer("\\boxed{42}") == "42"
+    assert flow.final_answer("**Answer:** 42") == "**Answer:** 42" and flow.final_answer("  ") is None
+
+
+# ---- the rollout: real sandbox, a real endpoint for the frozen modules, a tiny random planner ----
+def _frozen_reply(verdict="CONTINUE", answers=("42",)):
+    """What the frozen modules answer on the endpoint: code for the executor, `verdict` for the
+    verifier, `answers` in turn for the solution generator, text for the generator tool."""
+    count = {"solutions": 0}
+
+    def reply(body, i):
+        text = body["messages"][-1]["content"]
+        if text.startswith("Task: Generate precise Python code"):
+            if "no code" in text:
+                return "I would rather not."
+            if "divide" in text:
+                return "Generated Command:\n```python\nprint(1 / 0)\n```"
+            return "Generated Command:\n```python\nprint(6 * 7)\n```"
+        if text.startswith("Task: Evaluate if the current memory"):
+            return f"Looks fine.\nConclusion: {verdict}"
+        if text.startswith("Task: Generate a concise final answer"):
+            count["solutions"] += 1
+            return f"**Answer:** <answer>{answers[(count['solutions'] - 1) % len(answers)]}</answer>"
+        return "forty-two"
+    return reply
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from swirl_helpers import smol_tokenizer
+
+    return smol_tokenizer()
+
+
+def _flow_env(base_url):
+    from steprl_jax.tools.python_sandbox import SandboxSettings, python_tool
+    from steprl_jax.tools.registry import ToolRegistry
+
+    registry = ToolRegistry([python_tool(SandboxSettings(wall_timeout_s=5.0, cpu_s=2))])
+    return flow.FlowEnv(registry, flow.http_frozen_model(base_url, "frozen", max_tokens=64), result_chars=200)
+
+
+def test_a_turn_runs_the_executor_command_in_the_sandbox_and_every_failure_is_an_error_in_memory():
+    from chat_stub import ChatStub
+    from steprl_jax.agents.records import Step
+    from steprl_jax.agents.schedules import flow as flow_schedule
+
+    stub = ChatStub(_frozen_reply())
+    env = _flow_env(stub.base_url)
+    try:
+        replies = ["Context: 6 and 7\nSub-Goal: multiply them\nTool Name: Python_Coder_Tool",
+                   "Context: -\nSub-Goal: say 6*7 in words\nTool Name: Base_Generator_Tool",
+                   "Context: -\nSub-Goal: no code please\nTool Name: Python_Coder_Tool",
+                   "Context: -\nSub-Goal: divide by zero\nTool Name: Python_Coder_Tool",
+                   "Context: -\nSub-Goal: look it up\nTool Name: Wikipedia_Search_Tool",
+                   "I think the answer is 42."]
+        live = []
+        for i, text in enumerate(replies):
+            r = flow_schedule._Rollout(0, i, "What is 6 times 7?")
+            r.steps.append(Step(text, [1], [0.0], prompt_ids=[2]))
+            live.append(r)
+        flow_schedule._act(env, live)
+        results = [r.memory[0].result for r in live]
+        assert results[0] == "42" and live[0].memory[0].command == "print(6 * 7)"
+        assert live[0].steps[0].kind == "tool_call" and live[0].steps[0].tool_results[0]["name"] == flow.PYTHON_CODER
+        assert results[1] == "forty-two" and live[1].memory[0].command == "say 6*7 in words"
+        assert results[2].startswith("Error (no_command)")
+        assert "ZeroDivisionError" in results[3]
+        assert results[4] == "Error (unknown_tool): No command was generated because the tool was not found."
+        assert results[5].startswith("Error (unparseable)") and live[5].steps[0].kind == "invalid"
+        assert live[5].steps[0].format_problems == ["no_step"] and live[5].steps[0].tool_calls == []
+        assert live[0].steps[0].observation_text == flow.render_entry(live[0].memory[0], 200)
+    finally:
+        env.close()
+        stub.close()
+
+
+def _queries():
+    from steprl_jax.agents.environments import Task
+    from steprl_jax.agents.schedules import Query
+
+    return [Query(f"q{j}", Task(f"t{j}", question, answer), j)
+            for j, (question, answer) in enumerate([("What is 6 times 7?", "42"), ("What is 40 plus 2?", "42")])]
+
+
+def _engine(tokenizer, env, seed=0):
+    from steprl_jax.agents.rollout import RolloutConfig, RolloutEngine
+    from steprl_jax.sampling import Sampler
+    from swirl_helpers import tiny_model
+
+    sampler = Sampler(tiny_model(tokenizer, seed=seed), tokenizer, max_context=2048)
+    return RolloutEngine(sampler, tokenizer, env, RolloutConfig(max_new_tokens=8, max_context=2048, batch_size=8,
+                                                                temperature=1.0))
+
+
+def test_a_flow_rollout_records_each_planner_call_with_the_exact_prompt_it_saw_and_one_outcome_per_rollout(tokenizer):
+    import jax
+
+    from chat_stub import ChatStub
+    from steprl_jax.agents.records import TreeRecord, validate_record
+    from steprl_jax.agents.schedules import flow as flow_schedule
+    from steprl_jax.algorithms import flow_grpo
+    from steprl_jax.judges import rules
+    from steprl_jax.judges.judging import Judging
+    from steprl_jax.models import chat
+
+    stub = ChatStub(_frozen_reply(answers=("42", "41", "42")))
+    env = _flow_env(stub.base_url)
+    engine = _engine(tokenizer, env)
+    try:
+        settings = flow_schedule.FlowSettings(n=3, max_turns=2)
+        records = flow_schedule.run(engine, _queries(), settings, key=jax.random.PRNGKey(0))
+    finally:
+        engine.close()
+        env.close()
+        stub.close()
+    assert [r.query_id for r in records] == ["t0", "t1"]
+    for record in records:
+        assert len(record.leaves()) == 3
+        for leaf in record.leaves():
+            path = record.path(leaf)
+            assert len(path) == 2  # the verifier said CONTINUE: every rollout plans max_turns times
+            steps = [record.nodes[i].step for i in path]
+            first = chat.apply_chat(tokenizer, flow.planner_messages(record.question, env.tool_names, "None"),
+                                    tokenize=False)
+            assert steps[0].prompt_ids == tokenizer(first, add_special_tokens=False)["input_ids"]
+            # the second call's prompt is the first's memory entry rendered into the planner prompt
+            entry = steps[0].observation_text.split("\nVerifier:")[0]
+            assert entry in tokenizer.decode(steps[1].prompt_ids) and "Verifier: CONTINUE" in steps[0].observation_text
+            for step in steps:
+                assert 0 < len(step.action_ids) == len(step.action_logprobs) <= 8
+            assert record.leaf_answers[str(leaf)] in ("41", "42") and "\nSolution: " in steps[-1].observation_text
+        data = record.to_json()
+        validate_record(data, "here")
+        assert TreeRecord.from_json(data) == record
+    # judged by the flow suite's outcome rule; every planner row of a rollout carries its advantage
+    judging = Judging(outcome_rule=lambda task, traj: rules.math_verify_outcome(traj.final_answer, task.reference))
+    tasks = {q.task.id: q.task for q in _queries()}
+    judging.judge_trees([(tasks[r.query_id], r) for r in records])
+    s = flow_grpo.FlowGrpoSettings(settings, 1.0, "rollout", 1, 0.2, 0.3, 0.001)
+    rows, metrics = flow_grpo.build(records, s)
+    assert len(rows) == 12 and metrics["rows_per_rollout"] == 2.0
+    at = 0
+    for record in records:
+        leaves = record.leaves()
+        outcomes = [record.leaf_outcomes[str(leaf)] for leaf in leaves]
+        assert sorted(set(outcomes)) in ([-1.0, 1.0], [1.0], [-1.0])
+        expected = flow_advantages(outcomes, [[len(record.nodes[i].step.action_ids) for i in record.path(leaf)]
+                                              for leaf in leaves])
+        for leaf, w in zip(leaves, expected):
+            for node in record.path(leaf):
+                ids, loss, lp, adv = rows[at].flat()[:4]
+                step = record.nodes[node].step
+                assert ids == step.prompt_ids + step.action_ids  # the exact prompt, then the sampled reply
+                assert adv[-len(step.action_ids):] == pytest.approx([w.advantage] * len(step.action_ids))
+                assert loss[-len(step.action_ids):] == pytest.approx([w.token_weight] * len(step.action_ids))
+                assert lp[-len(step.action_ids):] == pytest.approx(step.action_logprobs)
+                assert not any(loss[:len(step.prompt_ids)])
+                at += 1

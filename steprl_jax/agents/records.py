@@ -55,6 +55,9 @@ class Step:
     action_entropies: Optional[list[float]] = None
     generate_s: float = 0.0
     tool_s: float = 0.0
+    # The prompt the action was sampled from where that is not the path's state: a flow rollout's
+    # planner call has a fresh prompt each time (agents/schedules/flow.py); None elsewhere.
+    prompt_ids: Optional[list[int]] = None
 
 
 @dataclasses.dataclass
@@ -238,7 +241,8 @@ _STEP_FIELDS = {
     "observation_ids": _IDS, "tool_calls": _OBJECTS, "tool_results": _OBJECTS, "kind": _STRING,
     "format_problems": (_list_of(lambda x: isinstance(x, str)), "a list of strings"), "format_checks": _OBJECT,
     "finish_reason": _STRING, "generate_s": _NUMBER, "tool_s": _NUMBER,
-    "action_entropies": (lambda v: v is None or _is_numbers(v), "null or a list of finite numbers")}
+    "action_entropies": (lambda v: v is None or _is_numbers(v), "null or a list of finite numbers"),
+    "prompt_ids": (lambda v: v is None or _is_ids(v), "null or a list of non-negative integer token ids")}
 _RECORD_FIELDS = {"version": _ANY, "type": _ANY, "id": _STRING, "query_id": _STRING, "question": _STRING,
                   "prompt_text": _STRING, "prompt_ids": _IDS, "reference_answer": _ANY, "metadata": _OBJECT}
 _TRAJECTORY_FIELDS = {**_RECORD_FIELDS, "steps": _OBJECTS, "final_answer": _STRING_OR_NULL, "termination": _STRING,
@@ -333,7 +337,8 @@ def check_token_ids(record, vocab_size: int, where: str) -> None:
         steps = [(f"nodes[{i}].step.", n.step) for i, n in enumerate(record.nodes)]
     fields = [("prompt_ids", record.prompt_ids)]
     for prefix, step in steps:
-        fields += [(prefix + "action_ids", step.action_ids), (prefix + "observation_ids", step.observation_ids)]
+        fields += [(prefix + "action_ids", step.action_ids), (prefix + "observation_ids", step.observation_ids),
+                   (prefix + "prompt_ids", step.prompt_ids or [])]
     for field, ids in fields:
         bad = next((t for t in ids if not 0 <= t < vocab_size), None)
         if bad is not None:

@@ -2,7 +2,8 @@
 from `config.rollout` to the rollout engine's settings (`rollout_config`).
 
 * arithmetic — the built-in word problems (calculator, tag format; or ToRL's code format with
-               the Python sandbox: env.format "code", env.tools ("python",))
+               the Python sandbox: env.format "code", env.tools ("python",); or AgentFlow's
+               planner with frozen modules and the sandbox: env.format "flow")
 * gsm8k      — GSM8K JSONL (the same two formats)
 * hotpotqa   — HotPotQA JSONL (BM25 search over its context paragraphs, tag format)
 * toolworld  — the seeded assistant tool world (think + tool_call format), per-episode tools
@@ -78,8 +79,10 @@ def split_config(config, split: str):
     return config
 
 
-def build_suite(config, split: str | None = None) -> TaskSuite:
-    """The tasks, environment and outcome rule of `config.task` (`split`: see `split_config`)."""
+def build_suite(config, split: str | None = None, local_model=None) -> TaskSuite:
+    """The tasks, environment and outcome rule of `config.task` (`split`: see `split_config`).
+    `local_model`: (model, tokenizer) of the initial policy, the frozen modules' model of the flow
+    format with `rl.flow_grpo.frozen.kind` "base"."""
     if split is not None:
         config = split_config(config, split)
     name = config.task.name
@@ -91,12 +94,14 @@ def build_suite(config, split: str | None = None) -> TaskSuite:
         shown = arithmetic_problems(8, seed=10_007)[1:1 + int(config.env.few_shot)]
         if config.env.format == "code":
             return _code_suite(config, tasks, [p.code_demonstration() for p in shown])
+        if config.env.format == "flow":
+            return _flow_suite(config, tasks, local_model)
         examples = [p.demonstration() for p in shown]
         return TaskSuite(tasks, _tagged_env(config, search_index=None, examples=examples),
                          lambda task, traj: rules.gsm8k_outcome(traj.final_answer, task.reference))
-    if config.env.format == "code":
-        raise ConfigError(f"config.env.format: the code format runs the math tasks (arithmetic, gsm8k), "
-                          f"not task.name={name!r}")
+    if config.env.format in ("code", "flow"):
+        raise ConfigError(f"config.env.format: the {config.env.format} format runs the math tasks (arithmetic, "
+                          f"gsm8k), not task.name={name!r}")
     if name == "hotpotqa":
         from steprl_jax.data.hotpotqa import load_hotpotqa
         from steprl_jax.tools.search import BM25Search
@@ -187,6 +192,38 @@ def _code_suite(config, tasks: list[Task], examples) -> TaskSuite:
     registry = ToolRegistry([python_tool(settings)], max_workers=int(config.rollout.tool_workers))
     env = CodeEnv(registry, max_tool_calls=max_calls, examples=examples)
     return TaskSuite(tasks, env, lambda task, traj: rules.math_verify_outcome(response_answer(traj), task.reference))
+
+
+def _flow_suite(config, tasks: list[Task], local_model) -> TaskSuite:
+    """AgentFlow's system (agents/flow.py): the planner is the policy; the executor, verifier and
+    solution generator are `rl.flow_grpo.frozen`; the python tool is the sandbox. Outcome:
+    math-verify of the solution's answer against the reference (+1 / -1)."""
+    from steprl_jax.agents import flow
+    from steprl_jax.tools.python_sandbox import python_tool
+
+    if tuple(config.env.tools) != ("python",):
+        raise ConfigError(f"config.env.tools: the flow format runs ('python',), got {tuple(config.env.tools)}")
+    f, frozen = config.rl.flow_grpo, config.rl.flow_grpo.frozen
+    tools = tuple(f.tools)
+    if not tools or any(t not in flow.TOOLS for t in tools):
+        raise ConfigError(f"config.rl.flow_grpo.tools: {tools} is not a non-empty selection of {tuple(flow.TOOLS)}")
+    sampling = dict(temperature=float(frozen.temperature), max_tokens=int(frozen.max_tokens))
+    if frozen.kind == "http":
+        if not frozen.base_url or not frozen.model:
+            raise ConfigError("config.rl.flow_grpo.frozen.base_url: kind http needs base_url and model")
+        model = flow.http_frozen_model(str(frozen.base_url), str(frozen.model), api_key_env=str(frozen.api_key_env),
+                                       timeout_s=float(frozen.timeout_s), **sampling)
+    elif frozen.kind == "base":
+        if local_model is None:
+            raise ConfigError("config.rl.flow_grpo.frozen.kind: 'base' needs the initial policy (this job gives "
+                              "none); use kind 'http'")
+        model = flow.base_frozen_model(*local_model, max_context=int(config.rollout.max_context),
+                                       seed=int(config.seed), **sampling)
+    else:
+        raise ConfigError(f"config.rl.flow_grpo.frozen.kind: {frozen.kind!r} is not 'base' or 'http'")
+    registry = ToolRegistry([python_tool(sandbox_settings(config))], max_workers=int(config.rollout.tool_workers))
+    env = flow.FlowEnv(registry, model, tool_names=tools, result_chars=int(f.memory_chars))
+    return TaskSuite(tasks, env, lambda task, traj: rules.math_verify_outcome(traj.final_answer, task.reference))
 
 
 def _tagged_env(config, search_index, examples=()) -> TaggedEnv:

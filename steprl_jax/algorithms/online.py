@@ -183,13 +183,14 @@ def build_loop(config, model, tokenizer, base_source: Optional[str] = None) -> "
     from steprl_jax.sampling import Sampler
 
     settings = read_settings(config)
-    suite = build_suite(config, split="train")
     mesh = distributed.MeshSpec.from_config(config.get("mesh"))
     learner = Learner(model, settings.learner, seed=settings.seed, mesh=mesh, base_source=base_source,
                       checkpoint_dir=_path(settings.workdir, "checkpoints", "rl"))
     # The initial policy where this process samples: the sampler's first parameters, the local
-    # judge's model (here and in evaluation); `model` itself without a mesh.
+    # judge's model (here and in evaluation), the flow format's frozen modules; `model` itself
+    # without a mesh. Training never writes to it.
     policy = distributed.sampling_copy(model, learner.bridge)
+    suite = build_suite(config, split="train", local_model=(policy, tokenizer))
     judging = Judging.from_config(config, outcome_rule=suite.outcome_rule, local_model=(policy, tokenizer))
     sampler = Sampler(policy, tokenizer, max_context=int(config.rollout.max_context),
                       mesh=distributed.sampler_mesh(mesh))
@@ -244,6 +245,9 @@ class OnlineLoop:
 
     def close(self) -> None:
         self.engine.close()
+        close_env = getattr(self.engine.env, "close", None)  # an env with models or pools of its own
+        if close_env is not None:
+            close_env()
         if self.metrics_log is not None:
             self.metrics_log.close()
         self.learner.close()
