@@ -253,3 +253,153 @@ def test_a_flow_rollout_records_each_planner_call_with_the_exact_prompt_it_saw_a
                 assert lp[-len(step.action_ids):] == pytest.approx(step.action_logprobs)
                 assert not any(loss[:len(step.prompt_ids)])
                 at += 1
+
+
+# ---- the method: its batch, its settings, the online loop ------------------------------------
+def _record(rollouts, outcomes):
+    """A judged flow record: rollouts given as lists of (prompt ids, reply ids) planner calls."""
+    from steprl_jax.agents.records import Step, TreeNode, TreeRecord
+
+    record = TreeRecord("it0/r0/q0", "t0", "q?", "", [])
+    for calls, outcome in zip(rollouts, outcomes):
+        parent = -1
+        for depth, (prompt, reply) in enumerate(calls, start=1):
+            step = Step("reply", list(reply), [-0.5] * len(reply), prompt_ids=list(prompt))
+            record.nodes.append(TreeNode(parent=parent, step=step, depth=depth))
+            parent = len(record.nodes) - 1
+        record.leaf_outcomes[str(parent)] = outcome
+    return record
+
+
+def test_the_built_batch_weighs_each_rollout_the_same_per_rollout_and_each_token_the_same_per_row():
+    from steprl_jax.agents.schedules.flow import FlowSettings
+    from steprl_jax.algorithms import flow_grpo
+
+    short, long_ = [([1, 2, 3], [4] * 10)], [([1, 2, 3], [5] * 10), ([1, 2, 6], [7] * 10), ([1, 2, 8], [9] * 10)]
+    record = _record([short, long_, short, short], [1.0, -1.0, 1.0, 1.0])
+    totals = {}
+    for normalize in ("rollout", "row"):
+        s = flow_grpo.FlowGrpoSettings(FlowSettings(n=4), 1.0, normalize, 1, 0.2, 0.3, 0.001)
+        rows, _ = flow_grpo.build([record], s)
+        assert len(rows) == 6
+        weights = [sum(row.flat()[1]) for row in rows]  # the loss weight each row carries
+        totals[normalize] = [weights[0], sum(weights[1:4]), weights[4], weights[5]]
+        advantages = [row.flat()[3][-1] for row in rows]
+        assert advantages[1] == advantages[2] == advantages[3] < 0 < advantages[0] == advantages[4]
+    assert totals["rollout"] == pytest.approx([1.0, 1.0, 1.0, 1.0])
+    assert totals["row"] == pytest.approx([10.0, 30.0, 10.0, 10.0])
+
+
+def _flow_config(tmp_path, base_url=""):
+    from configs import flow_grpo_arithmetic
+
+    c = flow_grpo_arithmetic.get_config()
+    c.workdir = str(tmp_path)
+    c.progress = False
+    c.task.num_tasks = 4
+    c.rollout.max_new_tokens = 8
+    c.rollout.tree.n = 3
+    c.rl.iterations = 1
+    c.rl.queries_per_iteration = 2
+    c.rl.flow_grpo.max_turns = 2
+    c.rl.flow_grpo.frozen.max_tokens = 16
+    c.optimizer.learning_rate = 1e-3  # large enough that a step shows in the parameters
+    if base_url:
+        c.rl.flow_grpo.frozen.kind, c.rl.flow_grpo.frozen.base_url = "http", base_url
+        c.rl.flow_grpo.frozen.model = "frozen"
+    return c
+
+
+def test_flow_grpo_settings_refuse_what_it_cannot_run(tmp_path):
+    from configs import torl_arithmetic
+    from steprl_jax import config_schema
+    from steprl_jax.algorithms import online
+    from steprl_jax.errors import ConfigError
+
+    c = _flow_config(tmp_path)
+    config_schema.check(c)
+    settings = online.read_settings(c)
+    assert settings.learner.loss.kl_coef == 0.001 and (settings.learner.loss.eps_low,
+                                                       settings.learner.loss.eps_high) == (0.2, 0.3)
+    assert settings.method.rollout.max_turns == 2 and settings.method.normalize == "rollout"
+    c.rl.flow_grpo.normalize = "token"
+    with pytest.raises(ConfigError, match="config.rl.flow_grpo.normalize"):
+        online.read_settings(c)
+    c.rl.flow_grpo.normalize = "row"
+    c.rl.eval.num_tasks = 2
+    with pytest.raises(ConfigError, match="config.rl.eval.num_tasks"):
+        online.read_settings(c)
+    t = torl_arithmetic.get_config()
+    t.env.format = "flow"
+    with pytest.raises(ConfigError, match="config.env.format: torl trains on the code format"):
+        online.read_settings(t)
+
+
+def test_one_online_iteration_of_flow_grpo_with_frozen_modules_behind_an_endpoint(tmp_path, tokenizer):
+    import json
+
+    from chat_stub import ChatStub
+    from steprl_jax.algorithms import online
+    from steprl_jax.training.metrics_log import read_metrics
+    from swirl_helpers import tiny_model
+
+    from steprl_jax.agents.tasks import build_suite
+
+    references = {}  # question -> reference, filled once the config has the endpoint's address
+    count = {"solutions": 0}
+    frozen = _frozen_reply(verdict="STOP")
+
+    def reply(body, i):  # every other solution right: the iteration has a learning signal
+        text = body["messages"][-1]["content"]
+        if not text.startswith("Task: Generate a concise final answer"):
+            return frozen(body, i)
+        count["solutions"] += 1
+        right = next(ref for question, ref in references.items() if question in text)
+        return f"<answer>{right if count['solutions'] % 2 else -1}</answer>"
+
+    stub = ChatStub(reply)
+    try:
+        c = _flow_config(tmp_path, base_url=stub.base_url)
+        suite = build_suite(c, split="train")
+        suite.env.close()
+        references.update({t.question: t.reference for t in suite.tasks})
+        summary = online.run(c, (tiny_model(tokenizer), tokenizer))
+    finally:
+        stub.close()
+    assert summary["algorithm"] == "flow_grpo"
+    row = read_metrics(str(tmp_path))["rl"][0]
+    assert row["leaves"] == 6 and row["planner_rows"] == 6 and row["rows_per_rollout"] == 1.0  # STOP after turn 1
+    assert row["trained_tokens"] > 0 and row["first_ratio"] == pytest.approx(1.0, abs=1e-5)
+    assert row["reward_mean"] == 0.0 and row["accuracy"] == 0.5  # 3 of the 6 solutions right: +1 / -1
+    with open(tmp_path / "rollouts" / "iter_00000.jsonl") as f:
+        trees = [json.loads(line) for line in f]
+    assert len(trees) == 2 and all(n["step"]["prompt_ids"] for t in trees for n in t["nodes"])
+
+
+def test_the_base_frozen_model_is_the_initial_policy_and_a_train_step_leaves_it_unchanged(tmp_path, tokenizer):
+    import jax
+    import numpy as np
+
+    from steprl_jax.algorithms import online
+    from swirl_helpers import tiny_model
+
+    c = _flow_config(tmp_path)  # frozen kind "base"
+    loop = online.build_loop(c, tiny_model(tokenizer), tokenizer)
+    try:
+        frozen_sampler = loop.engine.env.frozen.backend.engine.sampler
+        snapshot = lambda sampler: [np.array(x) for x in jax.tree.leaves(sampler._layer_params)]
+        frozen_before, policy_before = snapshot(frozen_sampler), snapshot(loop.sampler)
+        assert all(np.array_equal(a, b) for a, b in zip(frozen_before, policy_before))  # the same initial weights
+        result = loop.collect(0, 0)
+        trees = result.kept
+        assert len(trees) == 2 and all(len(t.leaves()) == 3 for t in trees)
+        for tree in trees:  # outcomes set by hand: the random base model never answers right
+            for k, leaf in enumerate(tree.leaves()):
+                tree.leaf_outcomes[str(leaf)] = 1.0 if k == 0 else -1.0
+        metrics = loop.train(trees)
+        assert metrics["planner_rows"] >= 6 and metrics["advantage_abs"] > 0
+        frozen_after, policy_after = snapshot(frozen_sampler), snapshot(loop.sampler)
+        assert all(np.array_equal(a, b) for a, b in zip(frozen_before, frozen_after))
+        assert not all(np.array_equal(a, b) for a, b in zip(policy_before, policy_after))  # the planner moved
+    finally:
+        loop.close()
