@@ -26,7 +26,7 @@ _YES_NO = {"YES": rules.TRUE, "NO": rules.FALSE}
 # How each action format's trajectories are judged: (tree_format: a model outcome judge gives
 # PORTool's true / false / unable_to_answer verdict on the whole trajectory, else YES/NO against
 # the answer key; rule_process: the rule process judge applies, defined for SWiRL's tags only).
-FORMATS = {"tags": (False, True), "tool_call": (True, False), "code": (False, False)}
+FORMATS = {"tags": (False, True), "tool_call": (True, False), "code": (False, False), "code_turns": (False, False)}
 
 
 class Judging:
