@@ -366,7 +366,11 @@ def test_one_online_iteration_of_simpletir(tmp_path):
     assert summary["algorithm"] == "simpletir"
     row = read_metrics(str(tmp_path))["rl"][0]
     assert row["sampling_rounds"] == 2 and row["groups_dropped"] == 4 and row["leaves"] == 8
+    assert row["queries_kept"] == 0 and row["skipped"] == 1  # nothing left to train on
     with open(tmp_path / "rollouts" / "iter_00000.jsonl") as f:
         trees = [json.loads(line) for line in f]
     assert len(trees) == 4
     assert all(v["label"] == "false" for t in trees for v in t["leaf_verdicts"].values())
+    # each episode is one void turn (sampled with the two-part stop, which random text never hits)
+    assert all(n["step"]["kind"] == "void" and n["step"]["finish_reason"] == "length" for t in trees for n in t["nodes"])
+    assert all(v == "no_answer" for t in trees for v in t["leaf_terminations"].values())
