@@ -43,6 +43,7 @@ from steprl_jax.judges.http_backend import _read_choices, _Retryable
 from steprl_jax.judges.verdicts import (
     FAILED_TIE, FAILED_UNPARSED, OUTCOME_LABELS, OUTCOME_REWARDS, PROCESS_LABELS, PROCESS_REWARDS,
     TRAJECTORY_LABELS, TRAJECTORY_REWARDS, Verdict, majority, parse_label)
+from steprl_jax.agents.code_env import CODE_BLOCK_STOP
 from steprl_jax.sampling.stop import first_stop, stop_automaton
 from steprl_jax.tools import code_format, code_turns
 from steprl_jax.tools.calculator import calculate, calculator_tool
@@ -480,7 +481,7 @@ def code_text(src: Source) -> str:
 
 
 # --- tools.code_turns: SimpleTIR's turns
-TURN_STOP = stop_automaton([code_turns.CODE_BLOCK_STOP])  # (delta, accept) over bytes
+TURN_STOP = stop_automaton([CODE_BLOCK_STOP])  # (delta, accept) over bytes
 
 
 def check_code_turn(text: str) -> None:
@@ -493,7 +494,7 @@ def check_code_turn(text: str) -> None:
     expect((turn.code is None) == (match is None), f"code {turn.code!r} against the regex's {match}")
     expect(turn.end == (match.end() if match else len(text)), f"end {turn.end}")
     expect(turn.void == (match is None and "\\boxed{" not in text), f"void {turn.void}")
-    expect(first_stop(text, [code_turns.CODE_BLOCK_STOP])[0] == (match.end() if match else None), "host stop")
+    expect(first_stop(text, [CODE_BLOCK_STOP])[0] == (match.end() if match else None), "host stop")
     state, stopped = 0, None
     for i, byte in enumerate(text.encode("utf-8", "surrogatepass")):  # sampled text has no surrogate: any bytes
         state = TURN_STOP[0][state, byte]

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from steprl_jax.agents.code_env import CodeTurnsEnv, render_run, response_answer
+from steprl_jax.agents.code_env import CODE_BLOCK_STOP, CodeTurnsEnv, render_run, response_answer
 from steprl_jax.agents.environments import Task
 from steprl_jax.agents.records import Step, TreeRecord, Trajectory
 from steprl_jax.agents.rollout import Branch, RolloutConfig, RolloutEngine
@@ -24,7 +24,7 @@ from steprl_jax.tools.python_sandbox import SandboxSettings, python_tool
 from steprl_jax.tools.registry import ToolRegistry
 from swirl_helpers import smol_tokenizer, tiny_model
 
-STOP = code_turns.CODE_BLOCK_STOP
+STOP = CODE_BLOCK_STOP
 
 
 # ---- parsing -------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from steprl_jax.agents.environments import ActionOutcome, Task
+from steprl_jax.sampling.stop import TwoPartStop
 from steprl_jax.tools import code_format, code_turns
 from steprl_jax.tools.protocol import ToolCall, ToolResult
 from steprl_jax.tools.registry import ToolRegistry
@@ -146,6 +147,8 @@ CODE_TURNS_PROMPT = (
     "You can also use \\boxed to return your answer. The last part of your response should be:\n"
     "\\boxed{'The final answer goes here.'}\n\nUser Question:\n")
 
+# Generation stops at the end of the first complete code block (SimpleTIR cuts its turns there).
+CODE_BLOCK_STOP = TwoPartStop(code_turns.BLOCK_OPENS, code_turns.BLOCK_CLOSE)
 VOID_TURN = "void"  # the step kind of a turn with neither a complete block nor \boxed{
 
 
@@ -177,7 +180,7 @@ class CodeTurnsEnv(_SandboxEnv):
     (the episode has ended; it is not read)."""
 
     format = "code_turns"
-    stop_strings = (code_turns.CODE_BLOCK_STOP,)
+    stop_strings = (CODE_BLOCK_STOP,)
     invalid_action = "end"
 
     def __init__(self, registry: ToolRegistry, *, prompt: str = CODE_TURNS_PROMPT):

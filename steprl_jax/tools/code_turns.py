@@ -18,9 +18,9 @@ holds "\\boxed{"; a turn with neither a complete block nor "\\boxed{" is a void 
 
 Where this departs from SimpleTIR: SimpleTIR samples each turn to its token cap and then cuts the
 text after the first block (`_postprocess_responses`), re-tokenizing `preceding.strip() +
-block.strip()`; here generation stops at the block's end (`CODE_BLOCK_STOP`, exact on the
-decoded text) and the action stays the sampled tokens, so the whitespace before the block is
-kept and at most the rest of the last token runs past it (`Turn.end` marks the cut).
+block.strip()`; here generation stops at the block's end (agents/code_env.py `CODE_BLOCK_STOP`,
+exact on the decoded text) and the action stays the sampled tokens, so the whitespace before the
+block is kept and at most the rest of the last token runs past it (`Turn.end` marks the cut).
 """
 from __future__ import annotations
 
@@ -28,13 +28,13 @@ import dataclasses
 import re
 from typing import Any, Optional
 
-from steprl_jax.sampling.stop import TwoPartStop
-
 # The first complete block, as SimpleTIR's `execute_predictions` finds it (re.DOTALL).
 CODE_BLOCK = re.compile(r"```(?:py|python)?\n(.*?)\n```", re.DOTALL)
 # Generation stops where CODE_BLOCK first matches: after the first opening fence to complete,
-# at the first "\n```" that follows it (the regex's leftmost match ends there too).
-CODE_BLOCK_STOP = TwoPartStop(opens=("```\n", "```py\n", "```python\n"), close="\n```")
+# at the first "\n```" that follows it (the regex's leftmost match ends there too); the two parts
+# of agents/code_env.py's `CODE_BLOCK_STOP` (sampling/stop.py `TwoPartStop`).
+BLOCK_OPENS = ("```\n", "```py\n", "```python\n")
+BLOCK_CLOSE = "\n```"
 BOX_MARK = "\\boxed{"
 # SimpleTIR prepends this to every snippet: final_answer(x) prints \boxed{x} and the run goes on.
 FINAL_ANSWER_PRELUDE = '\ndef final_answer(result):\n    print(f"\\\\boxed{{{result}}}")\n'
