@@ -360,6 +360,7 @@ def test_one_online_iteration_of_simpletir(tmp_path):
     from steprl_jax.training.metrics_log import read_metrics
 
     c = _config(tmp_path)
+    c.rl.eval.num_tasks = 2  # the held-out evaluation runs and judges the code_turns format too
     config_schema.check(c)
     tokenizer = smol_tokenizer()
     summary = online.run(c, (tiny_model(tokenizer), tokenizer))
@@ -374,3 +375,6 @@ def test_one_online_iteration_of_simpletir(tmp_path):
     # each episode is one void turn (sampled with the two-part stop, which random text never hits)
     assert all(n["step"]["kind"] == "void" and n["step"]["finish_reason"] == "length" for t in trees for n in t["nodes"])
     assert all(v == "no_answer" for t in trees for v in t["leaf_terminations"].values())
+    with open(tmp_path / "eval" / "iter_00001.metrics.json") as f:
+        ci = json.load(f)["ci"]
+    assert ci["accuracy"]["value"] == 0.0 and ci["accuracy"]["n"] == 2
