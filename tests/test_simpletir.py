@@ -134,7 +134,8 @@ def test_the_two_part_stop_is_exact_on_random_token_sequences():
 
 def test_plain_stop_tables_are_unchanged_and_a_two_part_stop_comes_alone():
     tokens = [b"</", b"answer", b">", b"x"]
-    assert (stop_transition_table(["</answer>"], tokens, 16) == token_transition_table([b"</answer>"], tokens, 16)).all()
+    plain = stop_transition_table(["</answer>"], tokens, 16)
+    assert (plain == token_transition_table([b"</answer>"], tokens, 16)).all()
     with pytest.raises(ValueError, match="two-part stop must be the only stop"):
         stop_transition_table([STOP, "</answer>"], tokens, 64)
     with pytest.raises(ValueError, match="close must be a non-empty string"):
@@ -195,7 +196,8 @@ def test_turns_run_their_block_continue_the_turn_and_final_answer_ends_the_episo
         for step in branch.steps[:-1]:
             for span_ids, trained in ((step.action_ids, True), (step.observation_ids, False)):
                 assert ids[start:start + len(span_ids)] == list(span_ids)
-                assert (loss[start:start + len(span_ids)] > 0).all() if trained else not loss[start:start + len(span_ids)].any()
+                span = loss[start:start + len(span_ids)]
+                assert (span > 0).all() if trained else not span.any()
                 start += len(span_ids)
         assert (loss[start:start + len(last.action_ids)] > 0).all()
         assert not loss[:len(prompt_ids)].any()
@@ -327,7 +329,8 @@ def test_the_loss_clips_higher_with_a_dual_clip_and_no_kl(tmp_path):
     assert (loss.eps_low, loss.eps_high, loss.dual_clip, loss.kl_coef, loss.entropy_coef) == (0.2, 0.28, 3.0, 0.0, 0.0)
     assert loss.agg == "token_mean" and settings.method.agg == "token_mean"
     c.env.format = "tool_call"
-    with pytest.raises(ValueError, match=r"config.env.format: simpletir trains on the code_turns format; got 'tool_call'"):
+    refused = r"config.env.format: simpletir trains on the code_turns format; got 'tool_call'"
+    with pytest.raises(ValueError, match=refused):
         online.read_settings(c)
     c = _config(tmp_path)
     c.rl.simpletir.dual_clip = 1.0
@@ -373,7 +376,8 @@ def test_one_online_iteration_of_simpletir(tmp_path):
     assert len(trees) == 4
     assert all(v["label"] == "false" for t in trees for v in t["leaf_verdicts"].values())
     # each episode is one void turn (sampled with the two-part stop, which random text never hits)
-    assert all(n["step"]["kind"] == "void" and n["step"]["finish_reason"] == "length" for t in trees for n in t["nodes"])
+    steps = [n["step"] for t in trees for n in t["nodes"]]
+    assert all(step["kind"] == "void" and step["finish_reason"] == "length" for step in steps)
     assert all(v == "no_answer" for t in trees for v in t["leaf_terminations"].values())
     with open(tmp_path / "eval" / "iter_00001.metrics.json") as f:
         ci = json.load(f)["ci"]
