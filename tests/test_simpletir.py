@@ -140,6 +140,10 @@ def test_plain_stop_tables_are_unchanged_and_a_two_part_stop_comes_alone():
         stop_transition_table([STOP, "</answer>"], tokens, 64)
     with pytest.raises(ValueError, match="close must be a non-empty string"):
         TwoPartStop(("```",), "")
+    with pytest.raises(ValueError, match="opens must be non-empty strings"):
+        TwoPartStop("```", "\n```")  # a string is not a tuple of opens
+    assert TwoPartStop(["a", "b"], "c") == TwoPartStop(("a", "b"), "c")  # a list becomes a (hashable) tuple
+    assert len({TwoPartStop(["a"], "c"), TwoPartStop(("a",), "c")}) == 1
 
 
 # ---- the environment in the rollout engine, with the real sandbox --------------------------------

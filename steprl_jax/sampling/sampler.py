@@ -663,7 +663,7 @@ class Sampler:
         return self._take_rows_jit(self._put_rows(gather), state.cache, state.last_token)
 
     def generate(self, state: SamplerState, key, *, max_new_tokens: Union[int, Sequence[int]],
-                 params: SamplingParams = SamplingParams(), stop: Sequence[str] = (),
+                 params: SamplingParams = SamplingParams(), stop: Sequence[stop_lib.Stop] = (),
                  stop_token_ids: Optional[Sequence[int]] = None,
                  running: Optional[Sequence[Optional[Generation]]] = None, max_steps: Optional[int] = None,
                  return_on_finish: bool = False) -> tuple[SamplerState, list]:

@@ -204,7 +204,9 @@ class TwoPartStop:
     close: str
 
     def __post_init__(self):
-        if not self.opens or not all(isinstance(o, str) and o for o in self.opens):
+        if isinstance(self.opens, (list, tuple)):
+            object.__setattr__(self, "opens", tuple(self.opens))  # hashable: the sampler caches tables by stop
+        if not self.opens or isinstance(self.opens, str) or not all(isinstance(o, str) and o for o in self.opens):
             raise ValueError(f"TwoPartStop: opens must be non-empty strings, got {self.opens!r}")
         if not isinstance(self.close, str) or not self.close:
             raise ValueError(f"TwoPartStop: close must be a non-empty string, got {self.close!r}")
