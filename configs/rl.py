@@ -64,6 +64,12 @@ def rl_config() -> ConfigDict:
         # ToRL (GAIR-NLP/ToRL's torl_1.5b.sh): GRPO, symmetric clip 0.2, no KL, verl's token mean,
         # torch.std; runs the code format (configs/torl_arithmetic.py).
         torl=ConfigDict(dict(eps_low=0.2, eps_high=0.2, agg="token_mean", ddof=1)),
+        # SimpleTIR (ltzheng/SimpleTIR's train.sh and README): GRPO with reward 1/0, clip 0.2/0.28 and
+        # dual clip 3, no KL, token mean; void-turn trajectories masked; groups with reward std <
+        # min_std or every response truncated dropped and re-sampled; code_turns format
+        # (configs/simpletir_arithmetic.py).
+        simpletir=ConfigDict(dict(eps_low=0.2, eps_high=0.28, dual_clip=3.0, agg="token_mean", ddof=1,
+                                  mask_void_turns=True, min_std=1e-3, max_sampling_rounds=3)),
         # Flow-GRPO (AgentFlow's train/config.yaml): planner turns 3, clip 0.2 / 0.3, KL loss 0.001 to
         # the initial policy, torch.std; normalize "rollout" (the paper, Agent Lightning 1.0) or "row"
         # (AgentFlow's published code). The frozen modules: "base" (the initial policy) or "http"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The full online-RL resume matrix of tests/test_rl_resume.py: every registered algorithm that trains on
-# the tool world's format (all but torl, whose code format tests/test_torl.py runs) trained end to
-# end, killed with SIGKILL after its first checkpoint and resumed, compared bit for bit with an
-# uninterrupted run (CI runs one killed case and one end-to-end run per rollout schedule). Extra
+# the tool world's format (all but torl and simpletir, whose code formats tests/test_torl.py and
+# tests/test_simpletir.py run) trained end to end, killed with SIGKILL after its first checkpoint
+# and resumed, compared bit for bit with an uninterrupted run (CI runs one killed case and one end-to-end run per rollout schedule). Extra
 # arguments go to pytest (e.g. -k gigpo).
 set -euo pipefail
 cd "$(dirname "$0")/.."

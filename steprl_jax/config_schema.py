@@ -158,10 +158,10 @@ FIELDS: dict[str, Field] = {
     "task.corpus_path": text(optional=True, note="'': task.path"),  # hotpotqa
     "task.search_top_k": integer(1, optional=True),  # hotpotqa
 
-    "env.format": text("tags", "tool_call", "code", "flow"),
+    "env.format": text("tags", "tool_call", "code", "code_turns", "flow"),
     "env.tools": names("calculator", "search", "python",
-                       note="the tag format's tools; the code and flow formats' python"),
-    # the code format (agents/code_env.py): runs per response, and the Python sandbox's limits
+                       note="the tag format's tools; the code, code_turns and flow formats' python"),
+    # the code formats (agents/code_env.py): runs per response (code), and the Python sandbox's limits
     "env.max_tool_calls": integer(0, optional=True, note="0: no code runs"),
     "env.python.wall_timeout_s": positive(optional=True),
     "env.python.cpu_s": integer(1, optional=True),
@@ -322,6 +322,14 @@ FIELDS: dict[str, Field] = {
     "rl.torl.eps_high": number(0, jobs=RL),
     "rl.torl.agg": text(*LOSS_AGGS, jobs=RL),
     "rl.torl.ddof": integer(**DDOF, jobs=RL),
+    "rl.simpletir.eps_low": number(**EPS_LOW, jobs=RL),
+    "rl.simpletir.eps_high": number(0, jobs=RL),
+    "rl.simpletir.dual_clip": Field("number", lo=1, open_lo=True, jobs=RL),  # a cap on -A, c > 1
+    "rl.simpletir.agg": text(*LOSS_AGGS, jobs=RL),
+    "rl.simpletir.ddof": integer(**DDOF, jobs=RL),
+    "rl.simpletir.mask_void_turns": flag(jobs=RL),
+    "rl.simpletir.min_std": number(0, jobs=RL),
+    "rl.simpletir.max_sampling_rounds": integer(1, jobs=RL),
     "rl.flow_grpo.max_turns": integer(1, jobs=RL),
     "rl.flow_grpo.normalize": text("rollout", "row", jobs=RL),
     "rl.flow_grpo.eps_low": number(**EPS_LOW, jobs=RL),
@@ -338,7 +346,7 @@ FIELDS: dict[str, Field] = {
     "rl.flow_grpo.frozen.temperature": number(0, 2, jobs=RL, note="0: greedy"),
     "rl.flow_grpo.frozen.max_tokens": integer(1, jobs=RL),
     "algorithm": text("portool", "grpo", "grpo_fm", "dapo", "arpo", "arpo_fm", "gigpo", "tree_grpo", "torl",
-                      "flow_grpo", jobs=RL),  # algorithms/base.py ALGORITHMS
+                      "simpletir", "flow_grpo", jobs=RL),  # algorithms/base.py ALGORITHMS
 
     # both training jobs (algorithms/offline.py optimizer_config)
     "optimizer.learning_rate": positive(jobs=TRAINING),

@@ -43,9 +43,12 @@ from steprl_jax.judges.http_backend import _read_choices, _Retryable
 from steprl_jax.judges.verdicts import (
     FAILED_TIE, FAILED_UNPARSED, OUTCOME_LABELS, OUTCOME_REWARDS, PROCESS_LABELS, PROCESS_REWARDS,
     TRAJECTORY_LABELS, TRAJECTORY_REWARDS, Verdict, majority, parse_label)
-from steprl_jax.tools import code_format
+from steprl_jax.agents.code_env import CODE_BLOCK_STOP
+from steprl_jax.sampling.stop import first_stop, stop_automaton
+from steprl_jax.tools import code_format, code_turns
 from steprl_jax.tools.calculator import calculate, calculator_tool
 from steprl_jax.tools.code_format import CodeAction, parse_code_action
+from steprl_jax.tools.code_turns import Turn, parse_turn
 from steprl_jax.tools.formats import (
     ACTION_TAGS, DEFAULT_FORMAT_CAP, FORMAT_CHECKS, STEP_PROBLEMS, TAG_PROBLEMS, ToolCallStep, TaggedAction,
     formatting_checks, formatting_reward, parse_tagged_action, parse_tool_call_step, render_tagged_action, render_tool_responses)
@@ -472,6 +475,44 @@ def code_text(src: Source) -> str:
         body = expression(src) if src.chance(50) else small_text(src)
         pieces.append(src.pick((f"\n```python\nprint({body})\n```\n", f"```python\n{body}\n", f"\\boxed{{{body}}}",
                                 f"\\boxed{{{body}", "}", "```output", "\n```\n")))
+        pieces.append(small_text(src))
+    text = "".join(pieces)
+    return mutate(src, text) if src.chance(30) else text
+
+
+# --- tools.code_turns: SimpleTIR's turns
+TURN_STOP = stop_automaton([CODE_BLOCK_STOP])  # (delta, accept) over bytes
+
+
+def check_code_turn(text: str) -> None:
+    """A Turn: cut at the end of SimpleTIR's first block (its regex), where the two-part stop's
+    byte automaton and the host's `first_stop` stop too; void exactly without a block or a box
+    mark; the shown output bounded by 512 characters, the note and the wrapper."""
+    turn = parse_turn(text)
+    expect(isinstance(turn, Turn), f"returned {type(turn).__name__}")
+    match = code_turns.CODE_BLOCK.search(text)
+    expect((turn.code is None) == (match is None), f"code {turn.code!r} against the regex's {match}")
+    expect(turn.end == (match.end() if match else len(text)), f"end {turn.end}")
+    expect(turn.void == (match is None and "\\boxed{" not in text), f"void {turn.void}")
+    expect(first_stop(text, [CODE_BLOCK_STOP])[0] == (match.end() if match else None), "host stop")
+    state, stopped = 0, None
+    for i, byte in enumerate(text.encode("utf-8", "surrogatepass")):  # sampled text has no surrogate: any bytes
+        state = TURN_STOP[0][state, byte]
+        if TURN_STOP[1][state]:
+            stopped = i + 1
+            break
+    expect(stopped == (len(text[:match.end()].encode("utf-8", "surrogatepass")) if match else None),
+           f"device stop at {stopped}")
+    shown = code_turns.render_result(text, text if len(text) % 2 else "")
+    expect(len(shown) <= len(code_turns.render_result("x" * 513, "")), f"output shown {len(shown)} characters")
+
+
+def turn_text(src: Source) -> str:
+    pieces = [small_text(src)]
+    for _ in range(src.integer(0, 5)):
+        body = expression(src) if src.chance(50) else small_text(src)
+        pieces.append(src.pick((f"```python\n{body}\n```", f"```py\n{body}", f"```\n{body}\n", "\n```", "```",
+                                "````\n", f"\\boxed{{{body}}}", "python\n", "\n")))
         pieces.append(small_text(src))
     text = "".join(pieces)
     return mutate(src, text) if src.chance(30) else text
@@ -933,6 +974,7 @@ TARGETS: dict[str, Target] = {t.name: t for t in [
     Target("formats.tagged_action", check_tagged_action, tagged_text, lambda s: s, 250),
     Target("formats.tool_call_step", check_tool_call_step, step_text, lambda s: s, 250),
     Target("code_format.action", check_code_action, code_text, lambda s: s, 250),
+    Target("code_turns.turn", check_code_turn, turn_text, lambda s: s, 250),
     Target("calculator", check_calculator, lambda src: expression(src) if src.chance(80) else adversarial_text(src),
            lambda s: s, 400, weight=6, cpu_limit_s=1.0),
     Target("calculator.tool", check_calculator_tool, calculator_arguments, lambda s: {"expression": s}, 150),

@@ -1,7 +1,7 @@
 """trim_heap gives freed heap pages back to the system (glibc's malloc_trim)."""
 import pytest
 
-from steprl_jax.training.host_memory import _malloc_trim, trim_heap
+from steprl_jax.training.host_memory import Trimmer, _malloc_trim, trim_heap
 from steprl_jax.training.metrics_log import memory_gb
 
 
@@ -19,3 +19,10 @@ def test_trim_heap_returns_freed_pages():
     after = memory_gb()["rss_gb"]
     assert before - after > 0.1, (before, after)  # ~0.18 GiB of freed chunks
     del small
+
+
+def test_the_trimmer_trims_at_most_once_an_interval():
+    hourly = Trimmer(every_s=3600.0)
+    assert not hourly() and not hourly()  # the first interval has not passed
+    always = Trimmer(every_s=0.0)
+    assert always() and always()

@@ -27,7 +27,8 @@ from swirl_helpers import smol_tokenizer, tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FULL = os.environ.get("STEPRL_JAX_RESUME_MATRIX") == "1"  # launch/rl_resume_matrix.sh
-# The tool world's runs: every method that trains on its format (torl's code format: tests/test_torl.py).
+# The tool world's runs: every method that trains on its format (torl's code format: tests/test_torl.py;
+# simpletir's code_turns format: tests/test_simpletir.py).
 ON_TOOLWORLD = tuple(name for name in REGISTERED if "tool_call" in get_algorithm(name).formats)
 ALGORITHMS = ON_TOOLWORLD if FULL else ("portool", "grpo", "dapo", "arpo", "gigpo", "tree_grpo")
 KILLED = ALGORITHMS if FULL else ("portool",)  # the others: an uninterrupted run only

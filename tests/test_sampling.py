@@ -8,7 +8,7 @@ from flax import nnx
 from steprl_jax.models import ModelConfig, Transformer
 from steprl_jax.models.sharding import make_mesh, shard_model
 from steprl_jax.sampling import ContextOverflowError, Sampler, SamplingParams, bucket
-from steprl_jax.sampling.stop import build_automaton, first_stop, token_transition_table
+from steprl_jax.sampling.stop import TwoPartStop, build_automaton, first_stop, token_transition_table
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 22, 23]]
 GREEDY = SamplingParams(greedy=True)
@@ -184,6 +184,37 @@ def test_stop_strings_split_across_tokens_end_the_text_exactly(model, sampler):
         break
     else:
         pytest.fail("no generated text had a suitable stop string")
+
+
+def test_a_two_part_stop_stops_at_the_first_close_after_an_open(model, sampler):
+    """On device: a close that occurs before the open does not stop; the first one after it
+    does, at exactly the token completing it (both parts may span tokens)."""
+    state = sampler.prefill(PROMPTS[:1])
+    _, (free,) = sampler.generate(state, jax.random.PRNGKey(0), max_new_tokens=60, params=GREEDY)
+    pieces = [sampler.tokenizer.table[t] for t in free.tokens]
+    text = b"".join(pieces).decode()
+    ends = np.cumsum([len(p) for p in pieces])
+    found = None
+    for a in range(len(text) - 3):  # an open whose end some close precedes and follows
+        opening = text[a:a + 3]
+        opened = text.find(opening) + 3
+        for c in range(opened, len(text) - 3):
+            close = text[c:c + 3]
+            if text.find(close) + 3 <= opened:
+                found = (opening, close)
+                break
+        if found:
+            break
+    assert found, text
+    stop = TwoPartStop((found[0],), found[1])
+    end, which = first_stop(text, [stop])
+    assert which == found[1] and end > text.find(found[1]) + 3  # the earlier close did not count
+    _, (g,) = sampler.generate(sampler.prefill(PROMPTS[:1]), jax.random.PRNGKey(0), max_new_tokens=60,
+                               params=GREEDY, stop=[stop])
+    k = int(np.searchsorted(ends, end, side="left")) + 1
+    assert g.finish_reason == "stop" and g.stop_string == found[1]
+    assert g.text == text[:end] and g.tokens.tolist() == free.tokens[:k].tolist()
+    assert g.text_after_stop == text[end:ends[k - 1]]
 
 
 def test_stop_automaton_matches_python_search():

@@ -1,4 +1,11 @@
-"""ToRL's environment: reasoning with inline Python blocks in one assistant turn (format "code").
+"""The code formats' environments: reasoning with Python blocks run by the `python` tool (a fresh
+sandbox per run: stateless) in one assistant turn, each output masked from the loss.
+
+* `CodeEnv` — ToRL (format "code"): blocks run at ```output (below).
+* `CodeTurnsEnv` — SimpleTIR (format "code_turns"): turns end at the first complete block
+  (tools/code_turns.py; see the class).
+
+ToRL's environment, format "code":
 
 The action format is tools/code_format.py's. An action that stops at ```output has its last
 complete python block run by the `python` tool (a fresh sandbox per run: stateless, as ToRL's);
@@ -27,7 +34,8 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from steprl_jax.agents.environments import ActionOutcome, Task
-from steprl_jax.tools import code_format
+from steprl_jax.sampling.stop import TwoPartStop
+from steprl_jax.tools import code_format, code_turns
 from steprl_jax.tools.protocol import ToolCall, ToolResult
 from steprl_jax.tools.registry import ToolRegistry
 
@@ -54,7 +62,29 @@ def response_answer(trajectory) -> Optional[str]:
     return code_format.last_boxed(response_text(trajectory.steps))
 
 
-class CodeEnv:
+class _SandboxEnv:
+    """What both code formats share: the `python` tool's registry, no tool schemas, token ids."""
+
+    def __init__(self, registry: ToolRegistry):
+        if PYTHON_TOOL not in registry.names:
+            raise ValueError(f"the {self.format} format runs the {PYTHON_TOOL!r} tool; the registry has "
+                             f"{registry.names}")
+        self.registry = registry
+
+    def tool_schemas(self, task: Task) -> Optional[list[dict]]:
+        return None  # the convention is explained in the prompt
+
+    def registry_for(self, task: Task) -> ToolRegistry:
+        return self.registry
+
+    def release(self, task: Task) -> None:
+        pass
+
+    def observation_ids(self, tokenizer, text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False) if text else []
+
+
+class CodeEnv(_SandboxEnv):
     """ToRL's code format over a registry holding the `python` tool (tools/python_sandbox.py)."""
 
     format = "code"
@@ -65,11 +95,9 @@ class CodeEnv:
                  system_prompt: str = CODE_SYSTEM_PROMPT, examples: Sequence = ()):
         """`examples`: worked demonstrations (`Demonstration`s in the code format) shown before the
         question as earlier user/assistant turns."""
-        if PYTHON_TOOL not in registry.names:
-            raise ValueError(f"the code format runs the {PYTHON_TOOL!r} tool; the registry has {registry.names}")
+        super().__init__(registry)
         if max_tool_calls < 0:
             raise ValueError(f"max_tool_calls must be >= 0, got {max_tool_calls}")
-        self.registry = registry
         self.max_tool_calls = max_tool_calls
         self.system_prompt = system_prompt
         self.examples = tuple(examples)
@@ -80,15 +108,6 @@ class CodeEnv:
             messages.append({"role": "user", "content": demo.prompt})
             messages.append({"role": "assistant", "content": "".join(s.action + s.observation for s in demo.steps)})
         return messages + [{"role": "user", "content": task.question}]
-
-    def tool_schemas(self, task: Task) -> Optional[list[dict]]:
-        return None  # the convention is explained in the system prompt
-
-    def registry_for(self, task: Task) -> ToolRegistry:
-        return self.registry
-
-    def release(self, task: Task) -> None:
-        pass
 
     def parse(self, action_text: str) -> code_format.CodeAction:
         return code_format.parse_code_action(action_text)
@@ -113,5 +132,83 @@ class CodeEnv:
         observation = code_format.render_observation(code_format.format_output(shown), parsed.after_stop)
         return ActionOutcome("code", calls, list(results), observation, None, [], {})
 
-    def observation_ids(self, tokenizer, text: str) -> list[int]:
-        return tokenizer.encode(text, add_special_tokens=False) if text else []
+
+# SimpleTIR's data.prompt (recipe/simpletir/config/simpletir_trainer.yaml), prepended to the question.
+CODE_TURNS_PROMPT = (
+    "Solve the following problem step by step. You now have the ability to selectively write executable Python "
+    "code to enhance your reasoning process. The Python code will be executed by an external sandbox, and the "
+    "output (after \"Code execution result: \") is returned to aid your reasoning and help you arrive at the final "
+    "answer. The Python code should be complete scripts, including necessary imports.\n\n"
+    "Code Format:\nEach code snippet is wrapped between ```. You need to use `print()` to output intermediate "
+    "results.\n\n"
+    "Answer Format:\nYou can use the `final_answer()` function in the code to return your final answer. For "
+    "example, to answer the User Question: What is the result of the 5 + 3 + 1294.678?, you can write:\n"
+    "```py\nanswer = 5 + 3 + 1294.678\nfinal_answer(answer)\n```\n\n"
+    "You can also use \\boxed to return your answer. The last part of your response should be:\n"
+    "\\boxed{'The final answer goes here.'}\n\nUser Question:\n")
+
+# Generation stops at the end of the first complete code block (SimpleTIR cuts its turns there).
+CODE_BLOCK_STOP = TwoPartStop(code_turns.BLOCK_OPENS, code_turns.BLOCK_CLOSE)
+VOID_TURN = "void"  # the step kind of a turn with neither a complete block nor \boxed{
+
+
+def render_run(result) -> str:
+    """The `python` tool's text for the code_turns format: SimpleTIR's observation of a run
+    (`code_turns.render_result`); the sandbox's error line (traceback's last line, timeout, limit,
+    signal) stands for SimpleTIR's stderr."""
+    return code_turns.render_result(result.stdout, result.error or "")
+
+
+class CodeTurnsEnv(_SandboxEnv):
+    """SimpleTIR's multi-turn code format (tools/code_turns.py) over a registry whose `python` tool
+    renders runs with `render_run`. No system prompt: SimpleTIR's prompt opens the user message.
+
+    A turn that stops at its first complete block has the block run (the snippet:
+    `code_turns.snippet`) and its output appended to the SAME assistant turn (masked from the
+    loss); the episode ends when the turn text (up to the block's end) or the output holds
+    "\\boxed{" (final_answer prints it), and after a void turn (kind "void", no observation: the
+    method masks the whole trajectory). The answer is the last \\boxed{} of the whole response
+    (`response_answer`); the record's `final_answer`, the last box of the final turn's text and
+    output. At most `rollout.max_steps` turns (SimpleTIR trains with 5).
+
+    Departures from SimpleTIR: SimpleTIR drops the last turn's output at its turn cap, so a
+    final_answer called in that turn does not count there; here it does (the step cap is the
+    rollout's, the environment does not see it). A run that printed \\boxed{} and then failed ends
+    SimpleTIR's episode (stdout is read apart from the error line it shows); here the tool returns
+    the shown text only, so the episode goes on. SimpleTIR's stderr also holds warnings; the
+    sandbox reports errors only. SimpleTIR's "\\n" observation after a void turn is not added
+    (the episode has ended; it is not read)."""
+
+    format = "code_turns"
+    stop_strings = (CODE_BLOCK_STOP,)
+    invalid_action = "end"
+
+    def __init__(self, registry: ToolRegistry, *, prompt: str = CODE_TURNS_PROMPT):
+        super().__init__(registry)
+        self.prompt = prompt
+
+    def messages(self, task: Task) -> list[dict]:
+        return [{"role": "user", "content": self.prompt + task.question}]
+
+    def parse(self, action_text: str) -> code_turns.Turn:
+        return code_turns.parse_turn(action_text)
+
+    def calls_for(self, parsed: code_turns.Turn) -> list[ToolCall]:
+        return [] if parsed.code is None else [ToolCall(PYTHON_TOOL, {"code": code_turns.snippet(parsed.code)})]
+
+    def outcome(self, task: Task, parsed: code_turns.Turn, results: Sequence[ToolResult]) -> ActionOutcome:
+        text = parsed.text[:parsed.end]
+        if parsed.void:
+            return ActionOutcome(VOID_TURN, [], [], "", None, ["void_turn"], {}, ends_episode=True)
+        if parsed.code is None:  # an answer without code
+            return ActionOutcome("answer", [], [], "", code_format.last_boxed(text), [], {}, ends_episode=True)
+        result = results[0] if results else None
+        if result is None:
+            shown = ""
+        elif result.ok:
+            shown = result.as_text()
+        else:  # the sandbox could not run it (no free sandbox, a failed start): shown as an error line
+            shown = code_turns.render_result("", f"Error: {result.message} ({result.error_type})")
+        ends = parsed.boxed or code_turns.BOX_MARK in shown
+        answer = code_format.last_boxed(text + shown) if ends else None
+        return ActionOutcome("code", self.calls_for(parsed), list(results), shown, answer, [], {}, ends_episode=ends)

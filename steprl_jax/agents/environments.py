@@ -55,7 +55,7 @@ class Task:
 
 @dataclasses.dataclass
 class ActionOutcome:
-    kind: str  # "search" | "math" | "answer" | "tool_call" | "invalid"; the code format: "code" | "text"
+    kind: str  # "search" | "math" | "answer" | "tool_call" | "invalid"; the code formats: "code" | "text" | "void"
     calls: list[ToolCall]
     results: list[ToolResult]
     observation_text: str

@@ -48,7 +48,7 @@ class Step:
     observation_ids: list[int] = dataclasses.field(default_factory=list)
     tool_calls: list[dict] = dataclasses.field(default_factory=list)  # [{"name", "arguments"}]
     tool_results: list[dict] = dataclasses.field(default_factory=list)  # ToolResult.to_json()
-    kind: str = ""  # "search" | "math" | "answer" | "tool_call" | "invalid"; code format: "code" | "text"
+    kind: str = ""  # "search" | "math" | "answer" | "tool_call" | "invalid"; code formats: "code" | "text" | "void"
     format_problems: list[str] = dataclasses.field(default_factory=list)
     format_checks: dict = dataclasses.field(default_factory=dict)  # PORTool R_fm checks
     finish_reason: str = ""  # sampler: "stop" | "eos" | "length" | "context"

@@ -42,6 +42,7 @@ import numpy as np
 from steprl_jax.agents.environments import MAX_RESULT_CHARS, Task, clip_result
 from steprl_jax.agents.records import Step, TreeNode, TreeRecord, Trajectory
 from steprl_jax.sampling.sampler import ContextOverflowError, common_prefix_length
+from steprl_jax.training.host_memory import Trimmer
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +125,7 @@ class RolloutEngine:
         self.config = config
         self.key = jax.random.PRNGKey(seed)
         self.stats = RolloutStats()
+        self._trim_heap = Trimmer()
         self._max_context = min(config.max_context, getattr(sampler, "max_context", config.max_context))
         self._pool = concurrent.futures.ThreadPoolExecutor(config.tool_workers, thread_name_prefix="episode")
 
@@ -312,8 +314,7 @@ class RolloutEngine:
             state, self._row_keys(state, rows), max_new_tokens=max_new, params=self._params(), stop=self.env.stop_strings,
             running=running, max_steps=c.decode_chunk, return_on_finish=True)
         elapsed = time.perf_counter() - t0
-        self.stats.generate_s += elapsed
-        self.stats.generate_calls += 1
+        self._count_generate(elapsed)
         for branch in rows:
             generation = generations[branch.row]
             branch.generate_s += elapsed / len(rows)
@@ -365,11 +366,15 @@ class RolloutEngine:
         state, generations = self.sampler.generate(state, key, max_new_tokens=max_new,
                                                    params=self._params(with_entropy), stop=self.env.stop_strings)
         elapsed = time.perf_counter() - t0
-        self.stats.generate_s += elapsed
-        self.stats.generate_calls += 1
+        self._count_generate(elapsed)
         for branch in rows:
             self._dispatch(branch, generations[branch.row], elapsed / max(1, len(rows)))
         return state
+
+    def _count_generate(self, elapsed: float) -> None:
+        self.stats.generate_s += elapsed
+        self.stats.generate_calls += 1
+        self._trim_heap()  # every chunk frees cache-sized buffers (training/host_memory.py)
 
     def _params(self, with_entropy: bool = False):
         from steprl_jax.sampling import SamplingParams

@@ -2,8 +2,9 @@
 from `config.rollout` to the rollout engine's settings (`rollout_config`).
 
 * arithmetic — the built-in word problems (calculator, tag format; or ToRL's code format with
-               the Python sandbox: env.format "code", env.tools ("python",); or AgentFlow's
-               planner with frozen modules and the sandbox: env.format "flow")
+               the Python sandbox: env.format "code", env.tools ("python",); SimpleTIR's
+               multi-turn one, env.format "code_turns"; or AgentFlow's planner with frozen
+               modules and the sandbox: env.format "flow")
 * gsm8k      — GSM8K JSONL (the same two formats)
 * hotpotqa   — HotPotQA JSONL (BM25 search over its context paragraphs, tag format)
 * toolworld  — the seeded assistant tool world (think + tool_call format), per-episode tools
@@ -94,12 +95,14 @@ def build_suite(config, split: str | None = None, local_model=None) -> TaskSuite
         shown = arithmetic_problems(8, seed=10_007)[1:1 + int(config.env.few_shot)]
         if config.env.format == "code":
             return _code_suite(config, tasks, [p.code_demonstration() for p in shown])
+        if config.env.format == "code_turns":
+            return _code_turns_suite(config, tasks)
         if config.env.format == "flow":
             return _flow_suite(config, tasks, local_model)
         examples = [p.demonstration() for p in shown]
         return TaskSuite(tasks, _tagged_env(config, search_index=None, examples=examples),
                          lambda task, traj: rules.gsm8k_outcome(traj.final_answer, task.reference))
-    if config.env.format in ("code", "flow"):
+    if config.env.format in ("code", "code_turns", "flow"):
         raise ConfigError(f"config.env.format: the {config.env.format} format runs the math tasks (arithmetic, "
                           f"gsm8k), not task.name={name!r}")
     if name == "hotpotqa":
@@ -180,11 +183,10 @@ def sandbox_settings(config):
 def _code_suite(config, tasks: list[Task], examples) -> TaskSuite:
     """ToRL's code format with the Python sandbox; outcome: math-verify of the response's last
     \\boxed{} against the reference (true +1, wrong or missing false -1)."""
-    from steprl_jax.agents.code_env import PYTHON_TOOL, CodeEnv, response_answer
+    from steprl_jax.agents.code_env import CodeEnv, response_answer
     from steprl_jax.tools.python_sandbox import python_tool
 
-    if tuple(config.env.tools) != (PYTHON_TOOL,):
-        raise ConfigError(f"config.env.tools: the code format runs ({PYTHON_TOOL!r},), got {tuple(config.env.tools)}")
+    _check_python_tools(config)
     max_calls = int(config.env.get("max_tool_calls", 1))
     if max_calls < 0:
         raise ConfigError(f"config.env.max_tool_calls must be >= 0, got {max_calls}")
@@ -194,6 +196,31 @@ def _code_suite(config, tasks: list[Task], examples) -> TaskSuite:
     return TaskSuite(tasks, env, lambda task, traj: rules.math_verify_outcome(response_answer(traj), task.reference))
 
 
+def _code_turns_suite(config, tasks: list[Task]) -> TaskSuite:
+    """SimpleTIR's multi-turn code format with the Python sandbox (SimpleTIR's prompt carries its
+    own example: no few-shot turns); outcome: math-verify of the response's last \\boxed{}, as
+    the code format's."""
+    from steprl_jax.agents.code_env import CodeTurnsEnv, render_run, response_answer
+    from steprl_jax.tools.python_sandbox import python_tool
+
+    _check_python_tools(config)
+    if int(config.env.few_shot):
+        raise ConfigError(f"config.env.few_shot: the code_turns format shows no worked examples (SimpleTIR's "
+                          f"prompt has its own); set 0, got {config.env.few_shot}")
+    registry = ToolRegistry([python_tool(sandbox_settings(config), render=render_run)],
+                            max_workers=int(config.rollout.tool_workers))
+    return TaskSuite(tasks, CodeTurnsEnv(registry),
+                     lambda task, traj: rules.math_verify_outcome(response_answer(traj), task.reference))
+
+
+def _check_python_tools(config) -> None:
+    from steprl_jax.agents.code_env import PYTHON_TOOL
+
+    if tuple(config.env.tools) != (PYTHON_TOOL,):
+        raise ConfigError(f"config.env.tools: the {config.env.format} format runs ({PYTHON_TOOL!r},), "
+                          f"got {tuple(config.env.tools)}")
+
+
 def _flow_suite(config, tasks: list[Task], local_model) -> TaskSuite:
     """AgentFlow's system (agents/flow.py): the planner is the policy; the executor, verifier and
     solution generator are `rl.flow_grpo.frozen`; the python tool is the sandbox. Outcome:
@@ -201,8 +228,7 @@ def _flow_suite(config, tasks: list[Task], local_model) -> TaskSuite:
     from steprl_jax.agents import flow
     from steprl_jax.tools.python_sandbox import python_tool
 
-    if tuple(config.env.tools) != ("python",):
-        raise ConfigError(f"config.env.tools: the flow format runs ('python',), got {tuple(config.env.tools)}")
+    _check_python_tools(config)
     f, frozen = config.rl.flow_grpo, config.rl.flow_grpo.frozen
     tools = tuple(f.tools)
     if not tools or any(t not in flow.TOOLS for t in tools):

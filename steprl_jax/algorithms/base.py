@@ -18,8 +18,10 @@ of `ALGORITHMS` below, its config section (configs/, config_schema.py) and its t
                 whose groups `keep` dropped (1 without `keep`)
     formats     the action formats (`config.env.format`) the method trains on: "tool_call"
                 (PORTool's think + tool_call steps, R_fm, response_gen) by default; "code" (ToRL's
-                python blocks run at ```output, agents/code_env.py); "flow" (AgentFlow's planner
-                calls, each a fresh prompt, around frozen modules: agents/flow.py)
+                python blocks run at ```output, agents/code_env.py); "code_turns"
+                (SimpleTIR's turns ending at the first complete code block); "flow"
+                (AgentFlow's planner calls, each a fresh prompt, around frozen modules:
+                agents/flow.py)
 """
 from __future__ import annotations
 
@@ -62,6 +64,7 @@ ALGORITHMS = {
     "gigpo": "gigpo:GIGPO",
     "tree_grpo": "tree_grpo:TREE_GRPO",
     "torl": "torl:TORL",
+    "simpletir": "simpletir:SIMPLETIR",
     "flow_grpo": "flow_grpo:FLOW_GRPO",
 }
 

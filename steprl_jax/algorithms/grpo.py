@@ -66,22 +66,28 @@ def outcome_reward(record: TreeRecord, leaf: int) -> float:
     return float(record.leaf_outcomes[str(leaf)])
 
 
-def group_builder(reward: Callable) -> Callable:
+def group_builder(reward: Callable, masked: Optional[Callable] = None) -> Callable:
     """A builder: `reward(record, leaf, settings)` per trajectory -> z-scores per query -> rows whose
-    every token of a trajectory carries its advantage (shared ARPO prefixes: once per trajectory)."""
+    every token of a trajectory carries its advantage (shared ARPO prefixes: once per trajectory).
+    `masked(record, leaf, settings)`: trajectories that train no token while their reward still
+    counts in their group's mean and std (SimpleTIR's void turns)."""
 
     def build(trees: Sequence[TreeRecord], s: GroupMethodSettings):
         rewards = [[reward(t, leaf, s) for leaf in t.leaves()] for t in trees]
         advantages = grouped_advantages(rewards, "zscore", ddof=s.ddof)
-        rows = []
+        rows, masked_count = [], 0
         for tree, adv in zip(trees, advantages):
             by_leaf = dict(zip(tree.leaves(), adv))
+            off = frozenset(leaf for leaf in tree.leaves() if masked is not None and masked(tree, leaf, s))
+            masked_count += len(off)
             rows += leaf_rows(tree, lambda leaf, node, by_leaf=by_leaf: by_leaf[leaf], agg=s.agg,
-                              weighting="per_trajectory", max_row_tokens=s.max_row_tokens)
+                              weighting="per_trajectory", max_row_tokens=s.max_row_tokens, masked=off)
         flat = [r for group in rewards for r in group]
         metrics = {"reward": float(np.mean(flat)),
                    "advantage_abs": float(np.mean(np.abs(np.concatenate(advantages)))),
                    "zero_std_groups": float(sum(np.std(g) == 0 for g in rewards))}
+        if masked is not None:
+            metrics["masked_trajectories"] = float(masked_count)
         return rows, metrics
 
     return build

@@ -31,10 +31,12 @@ WEIGHTINGS = ("per_trajectory", "once")
 
 
 def leaf_rows(record: TreeRecord, advantage: Callable[[int, int], float], *, agg: str = "query_token_mean",
-              weighting: str = "per_trajectory", max_row_tokens: Optional[int] = None) -> list[Row]:
+              weighting: str = "per_trajectory", max_row_tokens: Optional[int] = None,
+              masked: frozenset = frozenset()) -> list[Row]:
     """Packed rows of a judged tree: `advantage(leaf, node)` is the advantage of every token of
     step `node` on the path to `leaf` (PORTool: the node's; GRPO: the leaf's). A tree longer than
-    `max_row_tokens` is split into rows (`pack.regroup`), each repeating the shared part it needs."""
+    `max_row_tokens` is split into rows (`pack.regroup`), each repeating the shared part it needs.
+    `masked`: leaves whose trajectories train no token (context only; SimpleTIR's void turns)."""
     if agg not in LOSS_AGGS:
         raise ValueError(f"loss aggregation {agg!r} is not one of {LOSS_AGGS}")
     if weighting not in WEIGHTINGS:
@@ -46,8 +48,9 @@ def leaf_rows(record: TreeRecord, advantage: Callable[[int, int], float], *, agg
         steps = []
         for i, node in enumerate(path):
             step = record.nodes[node].step
-            trained = weighting == "per_trajectory" or node not in claimed
-            claimed.add(node)
+            trained = (weighting == "per_trajectory" or node not in claimed) and leaf not in masked
+            if leaf not in masked:  # a masked trajectory leaves its shared steps to the others
+                claimed.add(node)
             action = (dict(ids=list(step.action_ids), loss=trained, logprobs=list(step.action_logprobs),
                            advantage=float(advantage(leaf, node)) if trained else 0.0) if step.action_ids else None)
             # the last observation feeds no trained token

@@ -27,7 +27,8 @@ _YES_NO = {"YES": rules.TRUE, "NO": rules.FALSE}
 # PORTool's true / false / unable_to_answer verdict on the whole trajectory, else YES/NO against
 # the answer key; rule_process: the rule process judge applies, defined for SWiRL's tags only).
 # "flow": AgentFlow's planner rollouts (agents/schedules/flow.py), judged on the solution's answer.
-FORMATS = {"tags": (False, True), "tool_call": (True, False), "code": (False, False), "flow": (False, False)}
+FORMATS = {"tags": (False, True), "tool_call": (True, False), "code": (False, False),
+           "code_turns": (False, False), "flow": (False, False)}
 
 
 class Judging:

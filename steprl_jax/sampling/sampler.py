@@ -663,7 +663,7 @@ class Sampler:
         return self._take_rows_jit(self._put_rows(gather), state.cache, state.last_token)
 
     def generate(self, state: SamplerState, key, *, max_new_tokens: Union[int, Sequence[int]],
-                 params: SamplingParams = SamplingParams(), stop: Sequence[str] = (),
+                 params: SamplingParams = SamplingParams(), stop: Sequence[stop_lib.Stop] = (),
                  stop_token_ids: Optional[Sequence[int]] = None,
                  running: Optional[Sequence[Optional[Generation]]] = None, max_steps: Optional[int] = None,
                  return_on_finish: bool = False) -> tuple[SamplerState, list]:
@@ -674,6 +674,7 @@ class Sampler:
           max_new_tokens: an int, or one per row (0 leaves a row untouched this call).
           params: `SamplingParams` (greedy / temperature / top-k / top-p / entropies).
           stop: stop strings (needs a tokenizer); a row stops when its generated text contains one.
+            Or one `stop.TwoPartStop` alone (e.g. the end of the first complete code block).
           stop_token_ids: ids that end a row (reason `eos`); default: the model's EOS ids.
           max_steps: return after at most this many decode steps; rows not finished by then come
             back with finish_reason `running` (continue them by passing them in `running`).
@@ -700,8 +701,8 @@ class Sampler:
         n0 = np.asarray([0 if g is None else len(g.tokens) for g in running], np.int64)
         auto0 = np.asarray([0 if g is None else g.stop_state for g in running], np.int64)
         stop = tuple(stop)
-        if any(not isinstance(s, str) or not s for s in stop):
-            raise ValueError(f"generate: stop strings must be non-empty str, got {stop!r}")
+        if any(not isinstance(s, stop_lib.TwoPartStop) and (not isinstance(s, str) or not s) for s in stop):
+            raise ValueError(f"generate: stop strings must be non-empty str (or a stop.TwoPartStop), got {stop!r}")
         if stop and self.tokenizer is None:
             raise ValueError("generate: stop strings need a tokenizer (Sampler(model, tokenizer))")
         stop_ids = self.eos_ids if stop_token_ids is None else tuple(int(i) for i in stop_token_ids)
@@ -870,11 +871,10 @@ class Sampler:
     def _stop_table(self, stop: tuple):
         if not stop:
             return jnp.zeros((1, 1), jnp.int32), 0
-        key = tuple(sorted(set(stop)))
+        key = tuple(sorted(set(stop), key=repr))
         if key not in self._stop_tables:
-            patterns = [s.encode("utf-8") for s in key]
-            states = bucket(sum(len(p) for p in patterns) + 1, 16)
-            table = stop_lib.token_transition_table(patterns, self.token_bytes(), states)
+            states = bucket(stop_lib.num_states(key), 16)
+            table = stop_lib.stop_transition_table(key, self.token_bytes(), states)
             self._stop_tables[key] = (jnp.asarray(table), states)
         return self._stop_tables[key]
 

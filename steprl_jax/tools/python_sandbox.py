@@ -50,6 +50,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Callable
 
 from steprl_jax.tools.protocol import TIMEOUT, TOOL_FAILURE, Tool, ToolError, object_schema
 
@@ -425,10 +426,12 @@ def observation(result: SandboxResult) -> str:
     return "\n".join(lines) if lines else "(no output)"
 
 
-def python_tool(settings: SandboxSettings = SandboxSettings(), name: str = "python") -> Tool:
+def python_tool(settings: SandboxSettings = SandboxSettings(), name: str = "python",
+                render: Callable[[SandboxResult], str] = observation) -> Tool:
     """The tool `python` ({"code": str}). At most `settings.max_concurrent` of its calls run at once;
     a call that finds no free sandbox within `queue_timeout_s` is a `timeout` error. Its time limit
-    covers the wait, the run and the clean-up, so the registry never abandons a live sandbox."""
+    covers the wait, the run and the clean-up, so the registry never abandons a live sandbox.
+    `render`: the text a run returns (`observation` by default; a format may show runs its own way)."""
     isolation(settings)  # probe now, not inside the first call's time limit
     pool = threading.BoundedSemaphore(settings.max_concurrent)
 
@@ -441,7 +444,7 @@ def python_tool(settings: SandboxSettings = SandboxSettings(), name: str = "pyth
             pool.release()
         if result.status == "failed":
             raise ToolError(TOOL_FAILURE, result.error or "the sandbox failed")
-        return observation(result)
+        return render(result)
 
     return Tool(
         name=name,
