@@ -5,6 +5,8 @@ and a resume test is not vacuous)."""
 import hashlib
 import json
 
+import numpy as np
+
 from chat_stub import ChatStub
 
 LABELS = ("true", "false", "unable_to_answer")
@@ -79,3 +81,26 @@ def rl_command(algorithm, model_dir, workdir, base_url, iterations: int = 2, eva
             "--config.optimizer.learning_rate=0.001", "--config.judge.outcome.kind=http",
             f"--config.judge.outcome.base_url={base_url}", "--config.judge.outcome.model=stub",
             "--config.judge.outcome.retries=0"]
+
+
+# ------------------------------------------------------------------ driving an environment by hand
+def act_written(engine, branch, text: str, finish_reason: str = "stop"):
+    """`engine`'s host step on an action written out (as if sampled with log-prob -0.5 a token):
+    parse, tool runs, observation and the episode's end, with no model."""
+    from steprl_jax.sampling.params import Generation  # on use: importing this module loads no JAX
+
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    generation = Generation(tokens=np.asarray(ids, np.int32), logprobs=np.full(len(ids), -0.5, np.float32),
+                            finish_reason=finish_reason, text=text, text_after_stop="")
+    branch.length += len(ids)
+    step = engine._act(branch, generation, 0.0)
+    branch.length += len(step.observation_ids)
+    return step
+
+
+def open_branch(engine, task):
+    """A fresh branch of `task` at the end of its prompt, and the prompt's ids."""
+    from steprl_jax.agents.rollout import Branch
+
+    _, ids = engine.prompt(task)
+    return Branch(task, 0, [], [], len(ids)), ids

@@ -13,15 +13,15 @@ import pytest
 from steprl_jax.agents.code_env import CODE_BLOCK_STOP, CodeTurnsEnv, render_run, response_answer
 from steprl_jax.agents.environments import Task
 from steprl_jax.agents.records import Step, TreeRecord, Trajectory
-from steprl_jax.agents.rollout import Branch, RolloutConfig, RolloutEngine
+from steprl_jax.agents.rollout import RolloutConfig, RolloutEngine
 from steprl_jax.algorithms import online
 from steprl_jax.algorithms.base import get_algorithm
 from steprl_jax.algorithms.tree_rows import leaf_rows
-from steprl_jax.sampling.params import Generation
 from steprl_jax.sampling.stop import TwoPartStop, first_stop, stop_transition_table, token_transition_table
 from steprl_jax.tools import code_turns
 from steprl_jax.tools.python_sandbox import SandboxSettings, python_tool
 from steprl_jax.tools.registry import ToolRegistry
+from rl_helpers import act_written, open_branch
 from swirl_helpers import smol_tokenizer, tiny_model
 
 STOP = CODE_BLOCK_STOP
@@ -158,18 +158,11 @@ def _engine(tokenizer, max_steps=5, wall_timeout_s=2.0):
 
 
 def _act(engine, branch, text, finish_reason="stop"):
-    ids = engine.tokenizer.encode(text, add_special_tokens=False)
-    generation = Generation(tokens=np.asarray(ids, np.int32), logprobs=np.full(len(ids), -0.5, np.float32),
-                            finish_reason=finish_reason, text=text, text_after_stop="")
-    branch.length += len(ids)
-    step = engine._act(branch, generation, 0.0)
-    branch.length += len(step.observation_ids)
-    return step
+    return act_written(engine, branch, text, finish_reason)
 
 
 def _branch(engine, task=TASK):
-    _, ids = engine.prompt(task)
-    return Branch(task, 0, [], [], len(ids)), ids
+    return open_branch(engine, task)
 
 
 def test_turns_run_their_block_continue_the_turn_and_final_answer_ends_the_episode(tokenizer):

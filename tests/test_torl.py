@@ -14,14 +14,14 @@ import pytest
 from steprl_jax.agents.code_env import CodeEnv, response_answer
 from steprl_jax.agents.environments import Task
 from steprl_jax.agents.records import TreeRecord, Trajectory
-from steprl_jax.agents.rollout import Branch, RolloutConfig, RolloutEngine
+from steprl_jax.agents.rollout import RolloutConfig, RolloutEngine
 from steprl_jax.algorithms import online
 from steprl_jax.algorithms.tree_rows import leaf_rows
 from steprl_jax.judges import rules
-from steprl_jax.sampling.params import Generation
 from steprl_jax.tools import code_format
 from steprl_jax.tools.python_sandbox import SandboxSettings, python_tool
 from steprl_jax.tools.registry import ToolRegistry
+from rl_helpers import act_written, open_branch
 from swirl_helpers import smol_tokenizer, tiny_model
 
 STOP = code_format.OUTPUT_STOP
@@ -83,18 +83,11 @@ TASK = Task("q0", "What is 6 times 12?", "72")
 
 
 def _act(engine, branch, text, finish_reason="stop"):
-    ids = engine.tokenizer.encode(text, add_special_tokens=False)
-    generation = Generation(tokens=np.asarray(ids, np.int32), logprobs=np.full(len(ids), -0.5, np.float32),
-                            finish_reason=finish_reason, text=text, text_after_stop="")
-    branch.length += len(ids)
-    step = engine._act(branch, generation, 0.0)
-    branch.length += len(step.observation_ids)
-    return step
+    return act_written(engine, branch, text, finish_reason)
 
 
 def _branch(engine, task=TASK):
-    _, ids = engine.prompt(task)
-    return Branch(task, 0, [], [], len(ids)), ids
+    return open_branch(engine, task)
 
 
 def test_a_response_runs_its_block_continues_and_ends_at_the_end_of_turn(tokenizer):

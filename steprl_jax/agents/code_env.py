@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from steprl_jax.agents.environments import ActionOutcome, Task
+from steprl_jax.agents.environments import ActionOutcome, Task, demonstrated_messages
 from steprl_jax.sampling.stop import TwoPartStop
 from steprl_jax.tools import code_format, code_turns
 from steprl_jax.tools.protocol import ToolCall, ToolResult
@@ -103,11 +103,7 @@ class CodeEnv(_SandboxEnv):
         self.examples = tuple(examples)
 
     def messages(self, task: Task) -> list[dict]:
-        messages = [{"role": "system", "content": self.system_prompt}]
-        for demo in self.examples:
-            messages.append({"role": "user", "content": demo.prompt})
-            messages.append({"role": "assistant", "content": "".join(s.action + s.observation for s in demo.steps)})
-        return messages + [{"role": "user", "content": task.question}]
+        return demonstrated_messages(self.system_prompt, self.examples, task.question)
 
     def parse(self, action_text: str) -> code_format.CodeAction:
         return code_format.parse_code_action(action_text)

@@ -73,6 +73,16 @@ _SWIRL_ACTIONS = {
 }
 
 
+def demonstrated_messages(system_prompt: str, examples: Sequence, question: str) -> list[dict]:
+    """The system prompt, each worked example (a `Demonstration`) as an earlier user/assistant
+    exchange whose assistant turn holds its actions and observations, then the question."""
+    messages = [{"role": "system", "content": system_prompt}]
+    for demo in examples:
+        messages.append({"role": "user", "content": demo.prompt})
+        messages.append({"role": "assistant", "content": "".join(s.action + s.observation for s in demo.steps)})
+    return messages + [{"role": "user", "content": question}]
+
+
 def swirl_system_prompt(tools: Sequence[str]) -> str:
     """SWiRL's instructions, listing only the tools that are available."""
     return ("You solve problems step by step with tools. In each step, think briefly, then write exactly one "
@@ -110,11 +120,7 @@ class TaggedEnv:
         self.examples = tuple(examples)
 
     def messages(self, task: Task) -> list[dict]:
-        messages = [{"role": "system", "content": self.system_prompt}]
-        for demo in self.examples:
-            messages.append({"role": "user", "content": demo.prompt})
-            messages.append({"role": "assistant", "content": "".join(s.action + s.observation for s in demo.steps)})
-        return messages + [{"role": "user", "content": task.question}]
+        return demonstrated_messages(self.system_prompt, self.examples, task.question)
 
     def tool_schemas(self, task: Task) -> Optional[list[dict]]:
         return None  # the tags are explained in the system prompt
