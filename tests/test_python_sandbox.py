@@ -223,8 +223,8 @@ def test_memory_hogs_get_memory_error(settings):
 
 def test_an_infinite_loop_hits_the_cpu_limit():
     result = run_python("print('spinning')\nwhile True:\n    pass", dataclasses.replace(HOSTILE, wall_timeout_s=10.0))
+    # stopped by the CPU limit, not the 10 s wall deadline (how soon: benchmarks/sandbox.py)
     assert (result.status, result.error, result.stdout) == ("limit", "CPU time limit exceeded (1 s)", "spinning\n")
-    assert result.duration_s < 5.0
     _still_works(HOSTILE)
 
 
@@ -237,8 +237,8 @@ def test_a_loop_that_ignores_sigxcpu_is_killed_at_the_hard_limit():
 @BOTH
 def test_sleeping_past_the_wall_clock_is_a_timeout(settings):
     result = run_python("import time\ntime.sleep(1000)", settings)
+    # the deadline's overshoot is measured in benchmarks/sandbox.py
     assert result.status == "timeout" and result.error == "TimeoutError: the code did not finish within 2 s"
-    assert 2.0 <= result.duration_s < 2.0 + 5.0
     _still_works(settings)
 
 
