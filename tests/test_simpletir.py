@@ -157,28 +157,20 @@ def _engine(tokenizer, max_steps=5, wall_timeout_s=2.0):
                                                             max_context=4096))
 
 
-def _act(engine, branch, text, finish_reason="stop"):
-    return act_written(engine, branch, text, finish_reason)
-
-
-def _branch(engine, task=TASK):
-    return open_branch(engine, task)
-
-
 def test_turns_run_their_block_continue_the_turn_and_final_answer_ends_the_episode(tokenizer):
     engine = _engine(tokenizer)
     try:
-        branch, prompt_ids = _branch(engine)
+        branch, prompt_ids = open_branch(engine, TASK)
         assert engine.env.messages(TASK) == [{"role": "user", "content": code_turns_prompt() + TASK.question}]
-        first = _act(engine, branch, "Multiply:\n```python\nprint(6 * 12)\n```")
+        first = act_written(engine, branch, "Multiply:\n```python\nprint(6 * 12)\n```")
         assert first.kind == "code" and first.tool_calls[0]["arguments"]["code"] == code_turns.snippet("print(6 * 12)")
         assert first.observation_text == "\nCode execution result: 72\n\n"
         assert first.observation_ids == tokenizer.encode(first.observation_text, add_special_tokens=False)
         assert not branch.done
-        error = _act(engine, branch, "Check:\n```py\nprint(1)\nprint(1 / 0)\n```")
+        error = act_written(engine, branch, "Check:\n```py\nprint(1)\nprint(1 / 0)\n```")
         assert error.observation_text == "\nCode execution result: ZeroDivisionError: division by zero\n"
         assert not branch.done
-        last = _act(engine, branch, "Done:\n```py\nfinal_answer(6 * 12)\nprint('after')\n```")
+        last = act_written(engine, branch, "Done:\n```py\nfinal_answer(6 * 12)\nprint('after')\n```")
         assert last.observation_text == "\nCode execution result: \\boxed{72}\nafter\n\n"
         assert branch.done and branch.termination == "answer" and branch.final_answer == "72"
 
@@ -212,12 +204,12 @@ def code_turns_prompt():
 def test_a_box_in_the_turn_ends_the_episode_its_code_still_runs(tokenizer):
     engine = _engine(tokenizer)
     try:
-        branch, _ = _branch(engine)
-        step = _act(engine, branch, "It is \\boxed{72}.\n```python\nprint(72)\n```")
+        branch, _ = open_branch(engine, TASK)
+        step = act_written(engine, branch, "It is \\boxed{72}.\n```python\nprint(72)\n```")
         assert step.kind == "code" and step.observation_text == "\nCode execution result: 72\n\n"
         assert branch.done and branch.termination == "answer" and branch.final_answer == "72"
-        plain, _ = _branch(engine)
-        answer = _act(engine, plain, "So the answer is \\boxed{72}.", finish_reason="eos")
+        plain, _ = open_branch(engine, TASK)
+        answer = act_written(engine, plain, "So the answer is \\boxed{72}.", finish_reason="eos")
         assert answer.kind == "answer" and answer.observation_text == "" and plain.final_answer == "72"
     finally:
         engine.close()
@@ -230,9 +222,9 @@ def test_a_box_in_the_turn_ends_the_episode_its_code_still_runs(tokenizer):
 def test_a_void_turn_ends_the_episode(tokenizer, text, finish_reason):
     engine = _engine(tokenizer)
     try:
-        branch, _ = _branch(engine)
-        _act(engine, branch, "```python\nprint(1)\n```")
-        step = _act(engine, branch, text, finish_reason=finish_reason)
+        branch, _ = open_branch(engine, TASK)
+        act_written(engine, branch, "```python\nprint(1)\n```")
+        step = act_written(engine, branch, text, finish_reason=finish_reason)
         assert step.kind == "void" and step.tool_calls == [] and step.observation_text == ""
         assert branch.done and branch.termination == "no_answer" and branch.final_answer is None
     finally:
@@ -242,10 +234,10 @@ def test_a_void_turn_ends_the_episode(tokenizer, text, finish_reason):
 def test_a_silent_run_shows_nothing_and_the_turn_cap_ends_the_episode(tokenizer):
     engine = _engine(tokenizer, max_steps=2)
     try:
-        branch, _ = _branch(engine)
-        step = _act(engine, branch, "```python\nx = 1\n```")
+        branch, _ = open_branch(engine, TASK)
+        step = act_written(engine, branch, "```python\nx = 1\n```")
         assert step.kind == "code" and step.observation_text == "" and not branch.done
-        _act(engine, branch, "```python\nprint(2)\n```")
+        act_written(engine, branch, "```python\nprint(2)\n```")
         assert branch.done and branch.termination == "step_cap"
     finally:
         engine.close()

@@ -74,7 +74,7 @@ def tokenizer():
 def _engine(tokenizer, max_tool_calls=1, max_steps=5, wall_timeout_s=2.0):
     settings = SandboxSettings(wall_timeout_s=wall_timeout_s, cpu_s=2)
     env = CodeEnv(ToolRegistry([python_tool(settings)]), max_tool_calls=max_tool_calls)
-    # `_act` never samples: the engine is given the sampler's actions by hand (no sampler needed)
+    # `act_written` never samples: the engine is given the sampler's actions by hand (no sampler needed)
     return RolloutEngine(None, tokenizer, env, RolloutConfig(max_steps=max_steps, max_new_tokens=64,
                                                             max_context=4096))
 
@@ -82,24 +82,16 @@ def _engine(tokenizer, max_tool_calls=1, max_steps=5, wall_timeout_s=2.0):
 TASK = Task("q0", "What is 6 times 12?", "72")
 
 
-def _act(engine, branch, text, finish_reason="stop"):
-    return act_written(engine, branch, text, finish_reason)
-
-
-def _branch(engine, task=TASK):
-    return open_branch(engine, task)
-
-
 def test_a_response_runs_its_block_continues_and_ends_at_the_end_of_turn(tokenizer):
     engine = _engine(tokenizer)
     try:
-        branch, prompt_ids = _branch(engine)
-        first = _act(engine, branch, "Multiply:\n```python\nprint(6 * 12)\n```\n" + STOP)
+        branch, prompt_ids = open_branch(engine, TASK)
+        first = act_written(engine, branch, "Multiply:\n```python\nprint(6 * 12)\n```\n" + STOP)
         assert first.kind == "code" and first.tool_calls == [{"name": "python", "arguments": {"code": "print(6 * 12)"}}]
         assert first.observation_text == "\n72\n```\n"
         assert first.observation_ids == tokenizer.encode("\n72\n```\n", add_special_tokens=False)
         assert not branch.done
-        last = _act(engine, branch, "So the answer is \\boxed{72}.", finish_reason="eos")
+        last = act_written(engine, branch, "So the answer is \\boxed{72}.", finish_reason="eos")
         assert last.kind == "answer" and last.observation_text == ""
         assert branch.done and branch.termination == "answer" and branch.final_answer == "72"
         text = "".join(s.action_text + s.observation_text for s in branch.steps)
@@ -125,16 +117,16 @@ def test_a_response_runs_its_block_continues_and_ends_at_the_end_of_turn(tokeniz
 def test_past_the_call_budget_a_stop_runs_nothing_and_the_text_goes_on(tokenizer):
     engine = _engine(tokenizer, max_tool_calls=1)
     try:
-        branch, _ = _branch(engine)
-        _act(engine, branch, "```python\nprint(1 + 1)\n```\n" + STOP)
-        second = _act(engine, branch, "\n2\n```\nAgain:\n```python\nprint(2 + 2)\n```\n" + STOP)
+        branch, _ = open_branch(engine, TASK)
+        act_written(engine, branch, "```python\nprint(1 + 1)\n```\n" + STOP)
+        second = act_written(engine, branch, "\n2\n```\nAgain:\n```python\nprint(2 + 2)\n```\n" + STOP)
         assert second.kind == "text" and second.tool_calls == [] and second.tool_results == []
         assert second.observation_text == "" and second.observation_ids == [] and not branch.done
         # with no budget at all, the first request is not run either
         none = _engine(tokenizer, max_tool_calls=0)
         try:
-            branch0, _ = _branch(none)
-            assert _act(none, branch0, "```python\nprint(1)\n```\n" + STOP).kind == "text"
+            branch0, _ = open_branch(none, TASK)
+            assert act_written(none, branch0, "```python\nprint(1)\n```\n" + STOP).kind == "text"
         finally:
             none.close()
     finally:
@@ -149,12 +141,12 @@ def test_past_the_call_budget_a_stop_runs_nothing_and_the_text_goes_on(tokenizer
 def test_a_bad_snippet_is_an_error_observation_and_the_response_goes_on(tokenizer, code, shown):
     engine = _engine(tokenizer, max_tool_calls=2, wall_timeout_s=1.0)
     try:
-        branch, _ = _branch(engine)
-        step = _act(engine, branch, f"```python\n{code}\n```\n" + STOP)
+        branch, _ = open_branch(engine, TASK)
+        step = act_written(engine, branch, f"```python\n{code}\n```\n" + STOP)
         output = step.observation_text[1:-len(code_format.OUTPUT_END)]
         assert step.kind == "code" and shown in output and "\n" not in output  # the error's last line
         assert not branch.done
-        again = _act(engine, branch, "Fixed:\n```python\nprint(72)\n```\n" + STOP)
+        again = act_written(engine, branch, "Fixed:\n```python\nprint(72)\n```\n" + STOP)
         assert again.observation_text == "\n72\n```\n"
     finally:
         engine.close()
@@ -163,11 +155,11 @@ def test_a_bad_snippet_is_an_error_observation_and_the_response_goes_on(tokenize
 def test_a_stop_without_a_block_is_an_error_and_a_response_cut_without_a_box_has_no_answer(tokenizer):
     engine = _engine(tokenizer)
     try:
-        branch, _ = _branch(engine)
-        step = _act(engine, branch, "I will write code later\n" + STOP)
+        branch, _ = open_branch(engine, TASK)
+        step = act_written(engine, branch, "I will write code later\n" + STOP)
         assert step.kind == "invalid" and "no complete ```python block" in step.observation_text
         assert step.observation_text.endswith("\n```\n") and not branch.done
-        _act(engine, branch, "The total is seventy", finish_reason="length")
+        act_written(engine, branch, "The total is seventy", finish_reason="length")
         assert branch.done and branch.termination == "no_answer" and branch.final_answer is None
     finally:
         engine.close()
@@ -182,8 +174,8 @@ def test_the_worked_examples_show_what_the_sandbox_prints(tokenizer):
     try:
         for problem in arithmetic_problems(9, seed=10_007):  # every template, the division one included
             run, answer = problem.code_demonstration().steps
-            branch, _ = _branch(engine, Task(problem.id, problem.question, problem.answer))
-            step = _act(engine, branch, run.action)
+            branch, _ = open_branch(engine, Task(problem.id, problem.question, problem.answer))
+            step = act_written(engine, branch, run.action)
             assert step.kind == "code" and step.observation_text == run.observation, problem.question
             assert code_format.parse_code_action(answer.action).answer == problem.answer
     finally:
