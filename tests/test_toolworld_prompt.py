@@ -223,11 +223,18 @@ def test_expert_rows_are_what_a_rollout_sees(tokenizer, rendering):
         assert batch.tokens[r, :len(ids)].tolist() == ids
 
 
-def test_expert_rows_need_the_tool_world(tokenizer):
+def test_expert_rows_of_the_tag_format_are_the_gold_steps(tokenizer):
     from configs import demo
 
-    with pytest.raises(ValueError, match="toolworld"):
-        expert_rows(demo.get_config(), tokenizer)
+    config = demo.get_config()
+    config.task.num_tasks = 3
+    suite = build_suite(config, split="train")
+    rows = expert_rows(config, tokenizer)
+    assert len(rows) == 3
+    for row, task in zip(rows, suite.tasks):
+        actions = [step.action for step in suite.demonstrate(task).steps]
+        assert [tokenizer.decode(s.ids) for s in row.prefix if s.loss] == actions
+        assert actions[-1].endswith("</answer>") and not row.prefix[-1].ids[-1] == tokenizer.eos_token_id
 
 
 def test_smollm2_next_token_loss_on_an_expert_row():

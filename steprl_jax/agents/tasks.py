@@ -12,9 +12,9 @@ from `config.rollout` to the rollout engine's settings (`rollout_config`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Optional
 
-from steprl_jax.agents.environments import TaggedEnv, Task, ToolCallEnv
+from steprl_jax.agents.environments import MAX_RESULT_CHARS, TaggedEnv, Task, ToolCallEnv, clip_result
 from steprl_jax.errors import ConfigError
 from steprl_jax.judges import rules
 from steprl_jax.judges.items import tool_failed
@@ -27,6 +27,9 @@ class TaskSuite:
     env: object  # TaggedEnv | ToolCallEnv | CodeEnv
     # (task, trajectory) -> "true" | "false" | "unable_to_answer"
     outcome_rule: Callable
+    # task -> its expert demonstration in env's format (data/demonstrations.py), or None where the
+    # task has none; None: the suite has no demonstrations (SFT warm starts read them)
+    demonstrate: Optional[Callable] = None
 
 
 # The arithmetic and tool-world tasks are generated: past this many a run builds tasks for
@@ -88,20 +91,24 @@ def build_suite(config, split: str | None = None, local_model=None) -> TaskSuite
         config = split_config(config, split)
     name = config.task.name
     if name in ("arithmetic", "gsm8k"):
-        tasks = _math_tasks(config)
+        problems = _math_problems(config)
+        tasks = [task for task, _ in problems]
         from steprl_jax.data.arithmetic import arithmetic_problems
 
         # Worked examples from a seed no evaluation set uses.
         shown = arithmetic_problems(8, seed=10_007)[1:1 + int(config.env.few_shot)]
         if config.env.format == "code":
-            return _code_suite(config, tasks, [p.code_demonstration() for p in shown])
-        if config.env.format == "code_turns":
-            return _code_turns_suite(config, tasks)
-        if config.env.format == "flow":
+            suite = _code_suite(config, tasks, [p.code_demonstration() for p in shown])
+        elif config.env.format == "code_turns":
+            suite = _code_turns_suite(config, tasks)
+        elif config.env.format == "flow":
             return _flow_suite(config, tasks, local_model)
-        examples = [p.demonstration() for p in shown]
-        return TaskSuite(tasks, _tagged_env(config, search_index=None, examples=examples),
-                         lambda task, traj: rules.gsm8k_outcome(traj.final_answer, task.reference))
+        else:
+            examples = [p.demonstration() for p in shown]
+            suite = TaskSuite(tasks, _tagged_env(config, search_index=None, examples=examples),
+                              lambda task, traj: rules.gsm8k_outcome(traj.final_answer, task.reference))
+        suite.demonstrate = _math_demonstrations(problems, config.env.format)
+        return suite
     if config.env.format in ("code", "code_turns", "flow"):
         raise ConfigError(f"config.env.format: the {config.env.format} format runs the math tasks (arithmetic, "
                           f"gsm8k), not task.name={name!r}")
@@ -146,7 +153,9 @@ def rollout_config(config):
                          max_result_chars=int(r.get("max_result_chars", RolloutConfig.max_result_chars)))
 
 
-def _math_tasks(config) -> list[Task]:
+def _math_problems(config) -> list[tuple[Task, object]]:
+    """The math tasks of `config`, each with its problem (gold steps: `ArithmeticProblem`,
+    `GSM8KProblem`), in order."""
     if config.task.name == "arithmetic":
         from steprl_jax.data.arithmetic import arithmetic_problems, arithmetic_split
 
@@ -154,15 +163,31 @@ def _math_tasks(config) -> list[Task]:
         problems = (arithmetic_split(config.task.split, n, seed=int(config.seed))
                     if config.task.split in ("train", "test") and config.task.get("splits", False)
                     else arithmetic_problems(n, seed=config.seed))
-        return [Task(p.id, p.question, p.answer) for p in _select(problems, config, "the built-in arithmetic set")]
+        return [(Task(p.id, p.question, p.answer), p) for p in _select(problems, config, "the built-in arithmetic set")]
     from steprl_jax.data.gsm8k import load_gsm8k
 
     if not config.task.path:
         raise ConfigError("config.task.path: a GSM8K JSONL file is needed for task.name=gsm8k")
     problems = load_gsm8k(config.task.path)
     offset = int(config.task.offset)
-    return [Task(f"gsm8k-{offset + i}", p.question, p.answer)
+    return [(Task(f"gsm8k-{offset + i}", p.question, p.answer), p)
             for i, p in enumerate(_select(problems, config, config.task.path))]
+
+
+def _math_demonstrations(problems: list, env_format: str) -> Callable:
+    """task -> the gold steps of its problem in `env_format`; None where a step is not plain
+    arithmetic (some GSM8K annotations) and so has no output Python would print for certain."""
+    method = {"tags": "demonstration", "code": "code_demonstration",
+              "code_turns": "code_turns_demonstration"}[env_format]
+    by_id = {task.id: problem for task, problem in problems}
+
+    def demonstrate(task: Task):
+        try:
+            return getattr(by_id[task.id], method)()
+        except ValueError:
+            return None
+
+    return demonstrate
 
 
 def sandbox_settings(config):
@@ -320,7 +345,19 @@ def _toolworld_suite(config) -> TaskSuite:
     def outcome(task: Task, traj) -> str:
         return rules.toolworld_outcome(traj.final_answer, task.reference, tool_failed(traj))
 
-    return TaskSuite(tasks, env, outcome)
+    max_result_chars = int(config.rollout.get("max_result_chars", MAX_RESULT_CHARS))
+
+    def demonstrate(task: Task):
+        """The query's reference plan as think + tool_call actions, its calls executed without
+        injected failures and their results cut as the rollout cuts them."""
+        from steprl_jax.data.demonstrations import tool_call_demonstration
+        from steprl_jax.data.toolworld import execute_plan
+
+        query = by_id[task.id]
+        results = [[clip_result(r, max_result_chars) for r in step] for step in execute_plan(world, query)]
+        return tool_call_demonstration(query.question, query.plan, results)
+
+    return TaskSuite(tasks, env, outcome, demonstrate)
 
 
 def _toolworld_examples(world, train_queries, k: int) -> list[list[dict]]:

@@ -145,7 +145,7 @@ def run(config, model_and_tokenizer=None) -> dict:
 
 def warm_start(config, model, tokenizer):
     """(policy, its load_pretrained source) to start RL from: `rl.warm_start.source` if set; else
-    SFT for `rl.warm_start.updates` updates on the tool world's expert demonstrations (exported to
+    SFT for `rl.warm_start.updates` updates on the task suite's expert demonstrations (exported to
     policy/sft, reused when present); else the model itself."""
     w = config.rl.warm_start
     if w.source:

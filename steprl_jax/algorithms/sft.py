@@ -4,15 +4,15 @@ The units of one trajectory are prefixes of each other (causal attention), so al
 trained in ONE row, the trajectory, with loss on the kept actions' tokens: the same loss and
 gradient as one row per unit (token_mean), each state computed once.
 
-PORTool's warm start trains on expert demonstrations instead (`expert_rows`): one row per
-tool-world query, its reference plan laid out token for token as a rollout of the same
-environment would see it (`demonstration_row`).
+The online methods' warm start trains on expert demonstrations instead (`expert_rows`): one row
+per task (a tool-world query's reference plan, a math problem's gold steps), laid out token for
+token as a rollout of the same environment would see it (`demonstration_row`).
 """
 from __future__ import annotations
 
 from typing import Sequence
 
-from steprl_jax.agents.environments import MAX_RESULT_CHARS, Task, clip_result
+from steprl_jax.agents.environments import Task
 from steprl_jax.data.demonstrations import Demonstration
 from steprl_jax.data.units import Unit
 from steprl_jax.training.config import LossConfig
@@ -51,48 +51,49 @@ def sft_rows(groups: Sequence[Sequence[Unit]]) -> list[Row]:
 
 
 def demonstration_row(env, tokenizer, task: Task, demonstration: Demonstration) -> Row:
-    """The row of an expert demonstration of `task` in `env` (either action format), token-exact.
+    """The row of an expert demonstration of `task` in `env` (any action format), token-exact.
 
     Prompt: the ids `RolloutEngine.prompt(task)` gives (the env's messages and tool rendering,
     through `chat.apply_chat`, which tokenises its text the same way). Then per step the action
     text encoded without special tokens (loss) and, after a tool step, the observation ids as the
     env appends them (`env.observation_ids`, the turn-closing and turn-opening tokens included;
-    no loss). Nothing follows the last action: a rollout cuts actions at the stop string."""
-    from steprl_jax.models.chat import apply_chat
+    no loss). An action that ends its turn is followed by the end-of-turn token (loss: the policy
+    samples it); after any other last action nothing follows (a rollout cuts it at the stop string)."""
+    from steprl_jax.models.chat import apply_chat, end_of_turn_id
 
     spans = [Span(apply_chat(tokenizer, env.messages(task), tools=env.tool_schemas(task)))]
     for step in demonstration.steps:
-        spans.append(Span(tokenizer.encode(step.action, add_special_tokens=False), loss=True))
+        action = tokenizer.encode(step.action, add_special_tokens=False)
+        spans.append(Span(action + [end_of_turn_id(tokenizer)] if step.ends_turn else action, loss=True))
         if step.observation:
             spans.append(Span(env.observation_ids(tokenizer, step.observation)))
     return Row(spans)
 
 
-def expert_rows(config, tokenizer, split: str = "train", *, max_result_chars: int | None = None) -> list[Row]:
-    """One SFT row per query of the tool-world suite of `config` (`agents.tasks.build_suite(config,
-    split)`, so `task.offset`/`task.num_tasks` select them): the query's reference plan as think +
-    tool_call actions (`data.demonstrations.tool_call_demonstration`), the final one calling
-    `response_gen`. The plan's calls are executed without injected failures and their results cut
-    at `max_result_chars` (default `config.rollout.max_result_chars`) as the rollout cuts them. The prompt
-    is the rollout's: with `env.few_shot > 0` it holds the demonstrations too."""
-    from steprl_jax.agents.tasks import build_suite, toolworld_queries
-    from steprl_jax.data.demonstrations import tool_call_demonstration
-    from steprl_jax.data.toolworld import execute_plan
+def expert_rows(config, tokenizer, split: str = "train") -> list[Row]:
+    """One SFT row per task of the suite of `config` (`agents.tasks.build_suite(config, split)`, so
+    `task.offset`/`task.num_tasks` select them) that has an expert demonstration in the suite's
+    format (`TaskSuite.demonstrate`): the tool world's reference plans (think + tool_call, results cut
+    as the rollout cuts them), the math tasks' gold steps (tag and code formats; a GSM8K step that is
+    not plain arithmetic leaves its problem out). The prompt is the rollout's: with `env.few_shot > 0`
+    it holds the worked examples too."""
+    from steprl_jax.agents.tasks import build_suite
 
-    if config.task.name != "toolworld":
-        raise ValueError(f"expert_rows: expert plans exist for task.name=toolworld, not {config.task.name!r}")
-    if max_result_chars is None:
-        max_result_chars = int(config.rollout.get("max_result_chars", MAX_RESULT_CHARS))
     suite = build_suite(config, split)
-    world, queries = toolworld_queries(config, split)
-    by_id = {q.id: q for q in queries}
+    if suite.demonstrate is None:
+        raise ValueError(f"expert_rows: task.name={config.task.name!r} in env.format={config.env.format!r} has no "
+                         f"expert demonstrations (the tool world; the math tasks in the tags, code and "
+                         f"code_turns formats)")
     rows = []
     for task in suite.tasks:
-        query = by_id[task.id]
-        results = [[clip_result(r, max_result_chars) for r in step] for step in execute_plan(world, query)]
+        demonstration = suite.demonstrate(task)
+        if demonstration is None:
+            continue
         try:
-            rows.append(demonstration_row(suite.env, tokenizer, task,
-                                          tool_call_demonstration(query.question, query.plan, results)))
+            rows.append(demonstration_row(suite.env, tokenizer, task, demonstration))
         finally:
-            suite.env.release(task)  # the task's tool registry, opened for its schemas
+            suite.env.release(task)  # a tool world task's registry, opened for its schemas
+    if not rows:
+        raise ValueError(f"expert_rows: none of the {len(suite.tasks)} tasks of {config.task.name!r} has an "
+                         f"expert demonstration")
     return rows

@@ -2,7 +2,7 @@
 
 It lets the embedded default run with no data files; GSM8K replaces it when a path
 is given. Every problem carries its gold calculator steps, so expert demonstrations
-can be rendered in SWiRL's tag format.
+can be rendered in SWiRL's tag format and in the code formats.
 """
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import dataclasses
 import operator
 import random
 
-from steprl_jax.data.demonstrations import Demonstration, code_demonstration, tagged_demonstration
+from steprl_jax.data.demonstrations import (
+    Demonstration, code_demonstration, code_turns_demonstration, tagged_demonstration)
 from steprl_jax.tools.calculator import calculate
 
 
@@ -30,21 +31,39 @@ class ArithmeticProblem:
         return code_demonstration(self.question, list(self.steps), [python_printed(e) for e in self.steps],
                                   self.answer)
 
+    def code_turns_demonstration(self) -> Demonstration:
+        """The same solution in SimpleTIR's multi-turn code format."""
+        return code_turns_demonstration(self.question, list(self.steps), [python_printed(e) for e in self.steps],
+                                        self.answer)
 
-_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+              ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
 
 
 def python_printed(expression: str) -> str:
-    """What `print(expression)` shows for a gold step (integers, + - * /): `72 / 8` -> `9.0`."""
+    """What `print(expression)` shows for a gold step: number literals with + - * / // % ** and
+    brackets, evaluated as Python does (`72 / 8` -> `9.0`). ValueError for anything else (names,
+    calls, a division by zero, a power past 10**6 digits' reach) so that no demonstration shows an
+    output Python would not print."""
 
     def value(node):
-        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
             return node.value
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            operand = value(node.operand)
+            return -operand if isinstance(node.op, ast.USub) else +operand
         if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
-            return _OPERATORS[type(node.op)](value(node.left), value(node.right))
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Pow) and abs(right) > 64:
+                raise ValueError(f"a power too large for a gold step: {expression!r}")
+            return _OPERATORS[type(node.op)](left, right)
         raise ValueError(f"not a gold arithmetic step: {expression!r}")
 
-    return str(value(ast.parse(expression, mode="eval").body))
+    try:
+        return str(value(ast.parse(expression.strip(), mode="eval").body))
+    except (SyntaxError, ArithmeticError) as e:
+        raise ValueError(f"not a gold arithmetic step: {expression!r} ({e})") from None
 
 
 def _templates():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from steprl_jax.tools import code_turns
 from steprl_jax.tools.code_format import render_code_action, render_observation
 from steprl_jax.tools.formats import (
     render_tagged_action, render_tagged_observation, render_tool_call_step, render_tool_responses)
@@ -20,13 +21,16 @@ from steprl_jax.tools.protocol import ToolResult
 class DemoStep:
     action: str
     observation: str = ""
+    # The action ends the assistant turn (the policy then writes its end-of-turn token), as a final
+    # answer in the code formats does; the other actions end at a stop string.
+    ends_turn: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class Demonstration:
     prompt: str
     steps: tuple[DemoStep, ...]
-    format: str  # "tags" | "tool_call" | "code"
+    format: str  # "tags" | "tool_call" | "code" | "code_turns"
 
     def as_text(self) -> str:
         return self.prompt + "\n" + "".join(step.action + step.observation for step in self.steps)
@@ -52,9 +56,30 @@ def tagged_demonstration(question: str, steps: list[tuple[str, str, str]], answe
 def code_demonstration(question: str, expressions: list[str], outputs: list[str], answer: str) -> Demonstration:
     """ToRL's code format: one python block printing each expression, its output (`outputs`, one
     line per expression, as Python prints them), then the boxed answer."""
-    code = "\n".join(f"print({e})" for e in expressions)
+    code = _printing(expressions)
     run = DemoStep(render_code_action("Let me compute this with Python.", code), render_observation("\n".join(outputs)))
-    return Demonstration(question, (run, DemoStep(f"The answer is \\boxed{{{answer}}}.")), "code")
+    return Demonstration(question, (run, _boxed_answer(answer)), "code")
+
+
+def code_turns_demonstration(question: str, expressions: list[str], outputs: list[str],
+                             answer: str) -> Demonstration:
+    """SimpleTIR's multi-turn code format: a turn whose one block prints each expression, its
+    result as the sandbox shows it (`outputs`, one line per expression), then a turn with the
+    boxed answer."""
+    code = _printing(expressions)
+    stdout = "".join(line + "\n" for line in outputs)
+    run = DemoStep(f"Let me compute this with Python.\n```python\n{code}\n```", code_turns.render_result(stdout, ""))
+    return Demonstration(question, (run, _boxed_answer(answer)), "code_turns")
+
+
+def _printing(expressions: list[str]) -> str:
+    if not expressions:
+        raise ValueError("a code demonstration needs at least one step to compute")
+    return "\n".join(f"print({e})" for e in expressions)
+
+
+def _boxed_answer(answer: str) -> DemoStep:
+    return DemoStep(f"The answer is \\boxed{{{answer}}}.", ends_turn=True)
 
 
 def _thought(calls) -> str:

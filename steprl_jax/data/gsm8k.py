@@ -5,7 +5,9 @@ import dataclasses
 import os
 import re
 
-from steprl_jax.data.demonstrations import Demonstration, tagged_demonstration
+from steprl_jax.data.arithmetic import python_printed
+from steprl_jax.data.demonstrations import (
+    Demonstration, code_demonstration, code_turns_demonstration, tagged_demonstration)
 from steprl_jax.io import DataFormatError, LoadReport, load_records, require
 from steprl_jax.tools.calculator import calculate
 from steprl_jax.tools.protocol import ToolError
@@ -30,6 +32,18 @@ class GSM8KProblem:
                 result = value  # the dataset's own value when the expression is not plain arithmetic
             rendered.append(("math", expression, result))
         return tagged_demonstration(self.question, rendered, self.answer)
+
+    def code_demonstration(self) -> Demonstration:
+        """ToRL's code format: one block printing every gold step (ValueError when a step is not
+        plain arithmetic: `arithmetic.python_printed`)."""
+        expressions = [e for e, _ in self.steps]
+        return code_demonstration(self.question, expressions, [python_printed(e) for e in expressions], self.answer)
+
+    def code_turns_demonstration(self) -> Demonstration:
+        """SimpleTIR's multi-turn code format, the same steps."""
+        expressions = [e for e, _ in self.steps]
+        return code_turns_demonstration(self.question, expressions, [python_printed(e) for e in expressions],
+                                        self.answer)
 
 
 def parse_gsm8k_record(record, where: str) -> GSM8KProblem:

@@ -65,6 +65,21 @@ _PLAIN = """{{ bos }}{%- for m in messages -%}
 {%- if add_generation_prompt -%}{{ 'Assistant:' }}{%- endif -%}"""
 
 
+# Tokens that end an assistant turn in the chat formats of our families.
+END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>")
+
+
+def end_of_turn_id(tokenizer) -> int:
+    """The id a policy writes to end its turn: the chat format's end-of-turn token, else eos."""
+    vocab = tokenizer.get_vocab()
+    for token in END_OF_TURN:
+        if token in vocab:
+            return int(vocab[token])
+    if tokenizer.eos_token_id is None:
+        raise ValueError("the tokenizer has no end-of-turn token and no eos token")
+    return int(tokenizer.eos_token_id)
+
+
 def generic_template(tokenizer) -> str:
     """The generic chat template for a tokenizer without one (see the module docstring)."""
     vocab = tokenizer.get_vocab()

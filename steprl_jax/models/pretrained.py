@@ -13,6 +13,7 @@ from typing import Optional
 
 import jax.numpy as jnp
 
+from steprl_jax.models.chat import END_OF_TURN
 from steprl_jax.models.config import ModelConfig
 from steprl_jax.models.gguf_io import GGUFCheckpoint, read_gguf_tokenizer
 from steprl_jax.models.loading import build_from_tensors, load_hf_directory
@@ -105,10 +106,6 @@ def _hf_tokenizer(directory: str):
     return AutoTokenizer.from_pretrained(directory)
 
 
-# Tokens that end an assistant turn in the chat formats of our families.
-_END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>")
-
-
 def _with_special_ids(config: ModelConfig, tokenizer) -> ModelConfig:
     """eos ids: the checkpoint's, the tokenizer's eos, and its end-of-turn token; pad: the tokenizer's.
 
@@ -116,7 +113,7 @@ def _with_special_ids(config: ModelConfig, tokenizer) -> ModelConfig:
     """
     eos = list(config.eos_token_ids)
     vocab = tokenizer.get_vocab()
-    candidates = [tokenizer.eos_token_id] + [vocab.get(t) for t in _END_OF_TURN]
+    candidates = [tokenizer.eos_token_id] + [vocab.get(t) for t in END_OF_TURN]
     for token_id in candidates:
         if token_id is not None and token_id < config.vocab_size and token_id not in eos:
             eos.append(int(token_id))
