@@ -9,8 +9,8 @@ rollout's advantage (algorithms/flow_grpo.py). Sizes fit a 2-core CPU.
 
 AgentFlow's own run (train/config.yaml): Qwen2.5-7B-Instruct planner, gpt-4o-mini frozen modules,
 32 queries x 8 rollouts, 3 planner turns, planner temperature 0.7 and top_p 0.99, 2,048 reply
-tokens, lr 1e-6, clip 0.2 / 0.3, KL loss 0.001. Held-out evaluation of flow rollouts is not built
-(rl.eval.num_tasks 0).
+tokens, lr 1e-6, clip 0.2 / 0.3, KL loss 0.001. Held-out evaluation runs the same system, one
+greedy rollout a query.
 """
 from ml_collections import ConfigDict
 
@@ -37,9 +37,10 @@ def get_config(arg=None):
     c.rollout.tree.n = 4  # rollouts per query (AgentFlow: 8)
     c.rl = rl.rl_config()
     c.rl.queries_per_iteration = 4
-    c.rl.eval.num_tasks = 0
+    c.rl.eval.num_tasks = 16
+    c.rl.eval.votes = 1  # the rule judge is deterministic
     c.rl.flow_grpo.frozen.max_tokens = 192
-    c.task.eval_path, c.task.eval_offset, c.task.eval_num_tasks = "", 0, 16
+    c.task.eval_path, c.task.eval_offset, c.task.eval_num_tasks = "", 0, c.rl.eval.num_tasks
     c.optimizer = ConfigDict(dict(learning_rate=1e-6, warmup_steps=0, end_lr_ratio=1.0, weight_decay=0.0,
                                   max_grad_norm=1.0))
     return c

@@ -303,6 +303,7 @@ def _flow_config(tmp_path, base_url=""):
     c.rl.queries_per_iteration = 2
     c.rl.flow_grpo.max_turns = 2
     c.rl.flow_grpo.frozen.max_tokens = 16
+    c.rl.eval.num_tasks = 0
     c.optimizer.learning_rate = 1e-3  # large enough that a step shows in the parameters
     if base_url:
         c.rl.flow_grpo.frozen.kind, c.rl.flow_grpo.frozen.base_url = "http", base_url
@@ -326,9 +327,6 @@ def test_flow_grpo_settings_refuse_what_it_cannot_run(tmp_path):
     with pytest.raises(ConfigError, match="config.rl.flow_grpo.normalize"):
         online.read_settings(c)
     c.rl.flow_grpo.normalize = "row"
-    c.rl.eval.num_tasks = 2
-    with pytest.raises(ConfigError, match="config.rl.eval.num_tasks"):
-        online.read_settings(c)
     t = torl_arithmetic.get_config()
     t.env.format = "flow"
     with pytest.raises(ConfigError, match="config.env.format: torl trains on the code format"):
@@ -360,9 +358,13 @@ def test_one_online_iteration_of_flow_grpo_with_frozen_modules_behind_an_endpoin
     stub = ChatStub(reply)
     try:
         c = _flow_config(tmp_path, base_url=stub.base_url)
-        suite = build_suite(c, split="train")
-        suite.env.close()
-        references.update({t.question: t.reference for t in suite.tasks})
+        # held-out evaluation before and after the iteration: the same system, one greedy rollout a query
+        c.rl.eval.num_tasks = c.task.eval_num_tasks = 2
+        c.rl.eval_every = 1
+        for split in ("train", "test"):
+            suite = build_suite(c, split=split)
+            suite.env.close()
+            references.update({t.question: t.reference for t in suite.tasks})
         summary = online.run(c, (tiny_model(tokenizer), tokenizer))
     finally:
         stub.close()
@@ -374,6 +376,13 @@ def test_one_online_iteration_of_flow_grpo_with_frozen_modules_behind_an_endpoin
     with open(tmp_path / "rollouts" / "iter_00000.jsonl") as f:
         trees = [json.loads(line) for line in f]
     assert len(trees) == 2 and all(n["step"]["prompt_ids"] for t in trees for n in t["nodes"])
+    for it in (0, 1):
+        with open(tmp_path / "eval" / f"iter_{it:05d}.metrics.json") as f:
+            accuracy = json.load(f)["ci"]["accuracy"]
+        assert accuracy["n"] == 2 and accuracy["value"] in (0.0, 0.5, 1.0)
+        with open(tmp_path / "eval" / f"iter_{it:05d}.trajectories.jsonl") as f:
+            evaluated = [json.loads(line) for line in f]
+        assert len(evaluated) == 2 and all(len(t["leaf_answers"]) == 1 for t in evaluated)  # flow records
 
 
 def test_the_base_frozen_model_is_the_initial_policy_and_a_train_step_leaves_it_unchanged(tmp_path, tokenizer):

@@ -18,7 +18,8 @@ Departures: the reference samples the planner with frequency_penalty 1.2, so its
 from the policy it trains; we sample the policy itself (`rollout.temperature`, top_p). It drops rows
 whose prompt exceeds its limit after computing advantages; here a prompt that leaves no room for a
 reply is never sampled, so the rollout's planning ends there (the solution generator still answers).
-Held-out evaluation of flow rollouts is not built: `rl.eval.num_tasks` must be 0.
+Held-out evaluation runs the same system (evaluation/runner.py): `rl.eval.episodes_per_task`
+rollouts a query, the planner at `rl.eval.temperature`, the frozen modules the initial policy.
 """
 from __future__ import annotations
 
@@ -53,8 +54,6 @@ def read(config) -> FlowGrpoSettings:
         raise ConfigError(f"config.rl.flow_grpo.normalize: {f.normalize!r} is not one of {NORMALIZE}")
     if int(f.max_turns) < 1:
         raise ConfigError(f"config.rl.flow_grpo.max_turns must be >= 1, got {f.max_turns}")
-    if int(config.rl.eval.num_tasks) > 0:
-        raise ConfigError("config.rl.eval.num_tasks: held-out evaluation of flow rollouts is not built; set it to 0")
     return FlowGrpoSettings(rollout=FlowSettings.from_config(config), temperature=policy_temperature(config),
                             normalize=str(f.normalize), ddof=int(f.ddof), eps_low=float(f.eps_low),
                             eps_high=float(f.eps_high), kl_coef=float(f.kl_coef))

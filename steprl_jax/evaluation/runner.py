@@ -5,6 +5,7 @@ a restarted run reads that file, skips what is done and appends the rest.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -38,11 +39,12 @@ def evaluate(config, model_and_tokenizer=None, *, split: Optional[str] = None, o
 
     out_dir = out_dir or config.workdir
     os.makedirs(out_dir, exist_ok=True)
-    suite = build_suite(config, split=split)
     if model_and_tokenizer is None:
         # with config.mesh: straight onto this process's sampling devices (config.mesh.sampler)
         model_and_tokenizer = distributed.load_policy(config, sampling=True)
     model, tokenizer = model_and_tokenizer
+    # the flow format's frozen modules (kind "base") are this model: the initial policy in training
+    suite = build_suite(config, split=split, local_model=(model, tokenizer))
     if sampler is None:
         sampler = Sampler(model, tokenizer, max_context=int(config.rollout.max_context))
     engine = RolloutEngine(sampler, tokenizer, suite.env, rollout_config(config), seed=int(config.seed))
@@ -50,14 +52,13 @@ def evaluate(config, model_and_tokenizer=None, *, split: Optional[str] = None, o
     store = RecordStore(os.path.join(out_dir, f"{name}trajectories.jsonl"))
     done = store.done_ids()
     tasks_by_id = {t.id: t for t in suite.tasks}
-    tree = config.rollout.tree
     started = time.perf_counter()
     try:
-        if tree.enabled:  # PORTool's trees (the `tree` rollout schedule), stored a batch of trees at a time
-            schedule = get_schedule("tree")
-            settings = schedule.settings.from_config(config)
-            todo = [Query(f"{t.id}#tree", t) for t in suite.tasks if f"{t.id}#tree" not in done]
-            bar = tqdm(total=len(todo), desc="trees", disable=not config.progress)
+        tree_schedule = _tree_schedule(config)
+        if tree_schedule is not None:  # records are trees, stored a batch of trees at a time
+            schedule, settings = tree_schedule
+            todo = [Query(f"{t.id}#{schedule.name}", t) for t in suite.tasks if f"{t.id}#{schedule.name}" not in done]
+            bar = tqdm(total=len(todo), desc=f"{name}{schedule.name}s", disable=not config.progress)
             per_call = max(1, int(config.rollout.batch_size) // settings.n)
             engine.key = jax.random.PRNGKey(int(config.seed))
             for start in range(0, len(todo), per_call):
@@ -113,3 +114,17 @@ def evaluate(config, model_and_tokenizer=None, *, split: Optional[str] = None, o
         summary_plot(metrics, trajectories, os.path.join(out_dir, f"{name}summary.png"),
                      title=f"{config.task.name} / {config.model.source}")
     return metrics
+
+
+def _tree_schedule(config):
+    """(schedule, settings) where an evaluated query is one tree record, else None (episodes):
+    PORTool's trees (`rollout.tree.enabled`, the `tree` schedule) and AgentFlow's system (env.format
+    "flow", the `flow` schedule: `rollout.episodes_per_task` rollouts a query, the leaves)."""
+    if config.rollout.tree.enabled:
+        schedule = get_schedule("tree")
+        return schedule, schedule.settings.from_config(config)
+    if config.env.format == "flow":
+        schedule = get_schedule("flow")
+        settings = schedule.settings.from_config(config)
+        return schedule, dataclasses.replace(settings, n=int(config.rollout.episodes_per_task))
+    return None
