@@ -178,4 +178,29 @@ def test_the_warm_start_alone_is_not_compared_with_itself(tmp_path, capsys):
     a = _write_run(tmp_path, "warm", "portool", {0: 0.2})
     _set_per_question(a, 0, [1, 0, 1])
     assert compare.main([a, "--out", str(tmp_path / "c")]) == 0
-    assert "Difference from the warm start" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "Difference from the reference" not in out and out.count("| sft (warm start) |") == 1
+
+
+
+def test_runs_from_other_starts_against_a_named_reference_and_their_own_start(tmp_path, capsys):
+    """base (iteration 0 only), an SFT run (iteration 0 only) and an RL run from that SFT policy
+    (its iteration 0: the SFT policy's evaluation, copied): each against base, the RL run also
+    against its own start."""
+    base = _write_run(tmp_path, "base", "torl", {0: 0.1})
+    sft = _write_run(tmp_path, "sft", "torl", {0: 0.5})
+    rl = _write_run(tmp_path, "rl", "torl", {0: 0.5, 6: 0.7})
+    _set_per_question(base, 0, [0, 0, 0, 0, 1, 0, 0, 0])
+    for run in (sft, rl):
+        _set_per_question(run, 0, [1, 1, 1, 1, 1, 0, 0, 0])
+    _set_per_question(rl, 6, [1, 1, 1, 1, 1, 1, 1, 0])
+    prefix = str(tmp_path / "c")
+    assert compare.main([base, sft, rl, "--out", prefix, "--start-label", "base"]) == 0
+    out = capsys.readouterr().out
+    data = json.load(open(prefix + ".json"))
+    assert [r["method"] for r in data["rows"]] == ["base", "sft", "rl"]  # base once
+    assert data["rows"][1]["vs_warm_start"]["accuracy"]["value"] == pytest.approx(0.5)
+    assert data["rows"][2]["vs_warm_start"]["accuracy"]["value"] == pytest.approx(0.75)
+    assert data["rows"][2]["vs_own_start"]["accuracy"]["value"] == pytest.approx(0.25)
+    assert "vs_own_start" not in data["rows"][1]  # its only evaluation is its start
+    assert "Difference from the reference (base)" in out and "Difference from the run's own iteration 0" in out

@@ -15,7 +15,9 @@ reference policy on the same questions) and their plots. Two of them:
   Where the evaluations hold each question's terms ("ci" -> "per_question"), a second table gives
   each method's difference from the warm start on the questions both answered, with a paired
   bootstrap interval (`stats.paired_diff_ci`): far narrower than two separate intervals when both
-  policies find the same questions easy or hard.
+  policies find the same questions easy or hard. `--start-label` names that reference row (e.g.
+  "base" when the first WORKDIR is the untrained model); runs that started from another policy
+  (their own iteration 0 differs) get a third table, their difference from their own start.
 
 * The policies of one SWiRL run (`write_policy_comparison`): base, SFT and SWiRL on SWiRL's
   metrics, each trained policy's paired difference from the base, into the run's `comparison.md`,
@@ -118,23 +120,32 @@ def _labels(runs: Sequence[dict]) -> list:
     return [lab if counts[lab] == 1 else os.path.normpath(r["workdir"]) for lab, r in zip(labels, runs)]
 
 
-def comparison(runs: Sequence[dict]) -> dict:
-    """The table's rows (warm start first) and each method's curves, as plain numbers."""
+def comparison(runs: Sequence[dict], start_label: str = "sft (warm start)") -> dict:
+    """The table's rows (the reference first: iteration 0 of the first run that has one, labelled
+    `start_label`) and each method's curves, as plain numbers. A method's row holds its paired
+    difference from the reference ("vs_warm_start") and, where its own iteration 0 is another
+    policy (a run started elsewhere), from that too ("vs_own_start": what its updates gained)."""
     rows, curves = [], []
     warm = next((r for r in runs if 0 in r["evals"]), None)
     if warm is not None:
-        rows.append({"method": "sft (warm start)", "workdir": warm["workdir"], "iterations": 0,
-                     **warm["evals"][0]})
+        rows.append({"method": start_label, "workdir": warm["workdir"], "iterations": 0, **warm["evals"][0]})
     for label, run in zip(_labels(runs), runs):
         last = max(run["evals"])
-        rows.append({"method": label, "workdir": run["workdir"], "iterations": last, **run["evals"][last]})
-        if warm is not None and not (run is warm and last == 0):
-            paired = _paired(warm["per_question"][0], run["per_question"][last], PAPER_METRICS)
-            if any(paired.values()):
-                rows[-1]["vs_warm_start"] = paired
         curves.append({"method": label, "iterations": sorted(run["evals"]),
                        **{m: [run["evals"][i][m] for i in sorted(run["evals"])] for m in PAPER_METRICS},
                        "reward_mean": run["reward_mean"]})
+        if run is warm and last == 0:  # the reference row already
+            continue
+        rows.append({"method": label, "workdir": run["workdir"], "iterations": last, **run["evals"][last]})
+        if warm is not None:
+            paired = _paired(warm["per_question"][0], run["per_question"][last], PAPER_METRICS)
+            if any(paired.values()):
+                rows[-1]["vs_warm_start"] = paired
+        own = run["per_question"].get(0)
+        if last > 0 and own and warm is not None and own != warm["per_question"][0]:
+            paired = _paired(own, run["per_question"][last], PAPER_METRICS)
+            if any(paired.values()):
+                rows[-1]["vs_own_start"] = paired
     return {"rows": rows, "curves": curves}
 
 
@@ -154,16 +165,18 @@ def markdown_table(rows: Sequence[dict]) -> str:
     return "\n".join(_markdown(head, cells)) + "\n"
 
 
-def paired_table(rows: Sequence[dict]) -> str:
-    """The methods' differences from the warm start on the same questions ("" if there are none)."""
-    paired = [row for row in rows if row.get("vs_warm_start")]
+def paired_table(rows: Sequence[dict], key: str = "vs_warm_start",
+                 title: str = "Difference from the reference") -> str:
+    """The methods' differences (`key`: from the reference, or from their own iteration 0) on the
+    same questions ("" if there are none)."""
+    paired = [row for row in rows if row.get(key)]
     if not paired:
         return ""
     head = ["method", "questions", *(TITLES[m] for m in PAPER_METRICS)]
-    cells = [[row["method"], str(max(d["n"] for d in row["vs_warm_start"].values() if d)),
-              *(diff_cell(row["vs_warm_start"][m], " *") for m in PAPER_METRICS)] for row in paired]
-    lines = ["Difference from the warm start on the same questions (paired bootstrap, 95%; * the "
-             "interval excludes 0):", "", *_markdown(head, cells)]
+    cells = [[row["method"], str(max(d["n"] for d in row[key].values() if d)),
+              *(diff_cell(row[key][m], " *") for m in PAPER_METRICS)] for row in paired]
+    lines = [f"{title} on the same questions (paired bootstrap, 95%; * the interval excludes 0):", "",
+             *_markdown(head, cells)]
     return "\n".join(lines) + "\n"
 
 
@@ -284,17 +297,20 @@ def main(argv=None) -> int:
                                      description=__doc__.split("\n")[0])
     parser.add_argument("workdirs", nargs="+", metavar="WORKDIR")
     parser.add_argument("--out", default="comparison", help="path prefix of the .md/.json/.png outputs")
+    parser.add_argument("--start-label", default="sft (warm start)",
+                        help="the reference row's name: iteration 0 of the first WORKDIR that has one")
     args = parser.parse_args(argv)
     try:
         runs = [load_run(w) for w in args.workdirs]
     except (FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    result = comparison(runs)
+    result = comparison(runs, args.start_label)
     table = markdown_table(result["rows"])
-    paired = paired_table(result["rows"])
-    if paired:
-        table += "\n" + paired
+    for paired in (paired_table(result["rows"], "vs_warm_start", f"Difference from the reference ({args.start_label})"),
+                   paired_table(result["rows"], "vs_own_start", "Difference from the run's own iteration 0")):
+        if paired:
+            table += "\n" + paired
     print(table, end="")
     write_text_atomic(args.out + ".md", table)
     write_json_atomic(args.out + ".json", result)
