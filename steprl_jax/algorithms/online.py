@@ -158,7 +158,7 @@ def warm_start(config, model, tokenizer):
         from steprl_jax.algorithms.offline import OfflineSpec, train_offline
         from steprl_jax.training.pack import share_prefix
 
-        rows = sft_lib.expert_rows(config, tokenizer, split="train")
+        rows = sft_lib.expert_rows(config, tokenizer, split="train", local_model=(model, tokenizer))
         # One system prompt and tool list for every query: computed once per packed row.
         build = lambda items, update, policy: (share_prefix(list(items), int(w.max_row_tokens) or None), {})
         learner = LearnerSettings(sft_lib.LOSS, optimizer_config(config, int(w.updates), float(w.learning_rate)),

@@ -70,16 +70,16 @@ def demonstration_row(env, tokenizer, task: Task, demonstration: Demonstration) 
     return Row(spans)
 
 
-def expert_rows(config, tokenizer, split: str = "train") -> list[Row]:
+def expert_rows(config, tokenizer, split: str = "train", local_model=None) -> list[Row]:
     """One SFT row per task of the suite of `config` (`agents.tasks.build_suite(config, split)`, so
     `task.offset`/`task.num_tasks` select them) that has an expert demonstration in the suite's
     format (`TaskSuite.demonstrate`): the tool world's reference plans (think + tool_call, results cut
     as the rollout cuts them), the math tasks' gold steps (tag and code formats; a GSM8K step that is
     not plain arithmetic leaves its problem out). The prompt is the rollout's: with `env.few_shot > 0`
-    it holds the worked examples too."""
+    it holds the worked examples too. `local_model`: as `build_suite` takes it."""
     from steprl_jax.agents.tasks import build_suite
 
-    suite = build_suite(config, split)
+    suite = build_suite(config, split, local_model=local_model)
     if suite.demonstrate is None:
         raise ValueError(f"expert_rows: task.name={config.task.name!r} in env.format={config.env.format!r} has no "
                          f"expert demonstrations (the tool world; the math tasks in the tags, code and "
