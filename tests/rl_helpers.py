@@ -13,8 +13,15 @@ LABELS = ("true", "false", "unable_to_answer")
 
 
 def verdict_reply(body: dict) -> str:
+    """PORTool's trajectory verdict; or, asked the outcome judge's YES/NO question (the formats
+    whose trajectories are not judged whole: the code and flow formats), YES or NO."""
+    from steprl_jax.judges.prompts import OUTCOME_SYSTEM
+
     text = json.dumps(body["messages"], sort_keys=True)
-    return f"Verdict: {LABELS[hashlib.sha256(text.encode()).digest()[0] % 3]}"
+    draw = hashlib.sha256(text.encode()).digest()[0]
+    if body["messages"][0]["content"] == OUTCOME_SYSTEM:
+        return ("YES", "NO")[draw % 2]
+    return f"Verdict: {LABELS[draw % 3]}"
 
 
 def VerdictServer(reply=verdict_reply, status: int = 200):
@@ -63,14 +70,33 @@ def tiny_rl_config(workdir, algorithm: str = "portool", judge_url: str = "", **r
     return c
 
 
+# The config each action format's methods run on in these commands (the method's first format).
+FORMAT_CONFIGS = {"tool_call": "configs/portool_toolworld.py", "code": "configs/torl_arithmetic.py",
+                  "code_turns": "configs/simpletir_arithmetic.py", "flow": "configs/flow_grpo_arithmetic.py"}
+# Test sizes of the formats that differ from the tool world's: the code formats show no worked
+# example (shorter prompts); a random policy never boxes an answer, so every response of a group
+# gets the same verdict: the update runs anyway (zero advantages); the flow planner takes 2 turns
+# with short frozen replies, sampled (seeded per call): the solution generator's texts differ, and
+# so do their verdicts.
+NO_SIGNAL = ["--config.rl.skip_update_without_signal=False"]
+FORMAT_FLAGS = {"tool_call": ["--config.judge.outcome.retries=0"], "code": ["--config.env.few_shot=0", *NO_SIGNAL],
+                "code_turns": NO_SIGNAL,
+                "flow": ["--config.rl.flow_grpo.max_turns=2", "--config.rl.flow_grpo.frozen.max_tokens=8",
+                         "--config.rl.flow_grpo.frozen.temperature=1.0"]}
+
+
 def rl_command(algorithm, model_dir, workdir, base_url, iterations: int = 2, eval_tasks: int = 0) -> list:
-    """`python -m steprl_jax.main` for online RL on the tool world at test sizes (2 queries per
-    iteration, n = 4 (Tree-GRPO: 2 trees of 2 leaves), 12 new tokens, 2 steps, a checkpoint every
-    iteration), the verdict endpoint
-    at `base_url`; a held-out evaluation of `eval_tasks` queries (0: none) every 2 iterations."""
+    """`python -m steprl_jax.main` for online RL at test sizes (2 queries per iteration, n = 4
+    (Tree-GRPO: 2 trees of 2 leaves), 12 new tokens, 2 steps, a checkpoint every iteration), on the
+    tool world or, for a method of another format, that format's arithmetic config; the verdict
+    endpoint at `base_url` judges every outcome; a held-out evaluation of `eval_tasks` queries (0:
+    none) every 2 iterations."""
     import sys
 
-    return [sys.executable, "-m", "steprl_jax.main", "--config=configs/portool_toolworld.py",
+    from steprl_jax.algorithms.base import get_algorithm
+
+    action_format = get_algorithm(algorithm).formats[0]
+    return [sys.executable, "-m", "steprl_jax.main", f"--config={FORMAT_CONFIGS[action_format]}",
             f"--config.algorithm={algorithm}", f"--config.model.source={model_dir}", f"--config.workdir={workdir}",
             "--config.progress=False", "--config.task.num_tasks=4", "--config.rollout.max_new_tokens=12",
             "--config.rollout.max_steps=2", "--config.rollout.max_context=2048", "--config.rollout.tree.n=4",
@@ -80,7 +106,7 @@ def rl_command(algorithm, model_dir, workdir, base_url, iterations: int = 2, eva
             "--config.rl.dapo.overlong_cache=8", "--config.rl.tree_grpo.n=1", "--config.rl.tree_grpo.keep=2",
             "--config.optimizer.learning_rate=0.001", "--config.judge.outcome.kind=http",
             f"--config.judge.outcome.base_url={base_url}", "--config.judge.outcome.model=stub",
-            "--config.judge.outcome.retries=0"]
+            *FORMAT_FLAGS.get(action_format, [])]
 
 
 # ------------------------------------------------------------------ driving an environment by hand

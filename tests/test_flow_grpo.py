@@ -137,6 +137,8 @@ def _flow_env(base_url):
 
 
 def test_a_turn_runs_the_executor_command_in_the_sandbox_and_every_failure_is_an_error_in_memory():
+    import jax
+
     from chat_stub import ChatStub
     from steprl_jax.agents.records import Step
     from steprl_jax.agents.schedules import flow as flow_schedule
@@ -155,7 +157,7 @@ def test_a_turn_runs_the_executor_command_in_the_sandbox_and_every_failure_is_an
             r = flow_schedule._Rollout(0, i, "What is 6 times 7?")
             r.steps.append(Step(text, [1], [0.0], prompt_ids=[2]))
             live.append(r)
-        flow_schedule._act(env, live)
+        flow_schedule._act(env, live, jax.random.PRNGKey(0), 0)
         results = [r.memory[0].result for r in live]
         assert results[0] == "42" and live[0].memory[0].command == "print(6 * 7)"
         assert live[0].steps[0].kind == "tool_call" and live[0].steps[0].tool_results[0]["name"] == flow.PYTHON_CODER
@@ -412,3 +414,39 @@ def test_the_base_frozen_model_is_the_initial_policy_and_a_train_step_leaves_it_
         assert not all(np.array_equal(a, b) for a, b in zip(policy_before, policy_after))  # the planner moved
     finally:
         loop.close()
+
+
+def test_sampled_frozen_replies_depend_on_their_seeds_only(tokenizer):
+    """At temperature 1 the base frozen model's reply to a conversation is decided by its seed: the
+    same in any order and batch (the flow schedule seeds every frozen call from its rollout, turn
+    and call); an endpoint is sent the seed."""
+    from chat_stub import ChatStub
+    from steprl_jax.agents.schedules.flow import _frozen_seed
+    from swirl_helpers import tiny_model
+
+    import jax
+
+    model = flow.base_frozen_model(tiny_model(tokenizer), tokenizer, max_context=256, temperature=1.0, max_tokens=8)
+    try:
+        asks = [[{"role": "user", "content": f"question {i}"}] for i in range(3)]
+        first = [r.text for r in model.complete(asks, [11, 12, 13])]
+        reordered = [r.text for r in model.complete(asks[::-1], [13, 12, 11])][::-1]
+        assert first == reordered
+        assert [r.text for r in model.complete(asks[:1], [11])] == first[:1]  # alone
+        assert len(set(r.text for r in model.complete([asks[0]] * 4, [1, 2, 3, 4]))) > 1  # seeds differ, replies differ
+        with pytest.raises(ValueError, match="2 seeds for 3 conversations"):
+            model.complete(asks, [1, 2])
+    finally:
+        model.close()
+    key = jax.random.PRNGKey(3)
+    assert _frozen_seed(key, 5, 1, 0) == _frozen_seed(jax.random.PRNGKey(3), 5, 1, 0)
+    assert len({_frozen_seed(key, 5, 1, c) for c in range(3)} | {_frozen_seed(key, 6, 1, 0)}) == 4
+    bodies = []
+    stub = ChatStub(lambda body, i: bodies.append(body) or "ok")
+    try:
+        http = flow.http_frozen_model(stub.base_url, "frozen", temperature=0.7)
+        assert [r.text for r in http.complete(asks[:2], [7, 8])] == ["ok", "ok"]
+        http.close()
+    finally:
+        stub.close()
+    assert sorted(b["seed"] for b in bodies) == [7, 8]

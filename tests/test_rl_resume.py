@@ -1,9 +1,11 @@
 """Every online algorithm trains 2 iterations end to end (real `python -m steprl_jax.main`
-processes on the tool world, a tiny random policy exported to disk, a verdict endpoint on
-127.0.0.1), and a run killed with SIGKILL after its first checkpoint and resumed ends with the
-same parameters, bit for bit, and the same logged metrics as the uninterrupted run. Here one killed
-case (PORTool) and an end-to-end run of a method per rollout schedule and of DAPO's extra sampling
-rounds; `launch/rl_resume_matrix.sh` kills and resumes every registered method. GRPO's kill and
+processes on the tool world, or on the built-in arithmetic with the Python sandbox for the code
+and flow formats; a tiny random policy exported to disk, a verdict endpoint on 127.0.0.1), and a
+run killed with SIGKILL after its first checkpoint and resumed ends with the same parameters, bit
+for bit, and the same logged metrics as the uninterrupted run. Here two killed cases (PORTool;
+Flow-GRPO, AgentFlow's planner rows with the frozen base model and the sandbox) and an end-to-end run of a method per
+rollout schedule and of DAPO's extra sampling rounds; `launch/rl_resume_matrix.sh` kills and
+resumes every registered method. GRPO's kill and
 resume are also tested in test_kill_anywhere.py (its chain); GRPO_fm and ARPO_fm differ from GRPO
 and ARPO in their rewards only (tests/test_rl_builders.py).
 
@@ -21,17 +23,18 @@ from safetensors.numpy import load_file
 
 from resume_helpers import checkpoint_steps, logged_metrics, straight_killed_resumed
 from rl_helpers import VerdictServer, rl_command
-from steprl_jax.algorithms.base import ALGORITHMS as REGISTERED, get_algorithm
+from steprl_jax.algorithms.base import ALGORITHMS as REGISTERED
 from steprl_jax.models import export_hf
 from swirl_helpers import smol_tokenizer, tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FULL = os.environ.get("STEPRL_JAX_RESUME_MATRIX") == "1"  # launch/rl_resume_matrix.sh
-# The tool world's runs: every method that trains on its format (torl's code format: tests/test_torl.py;
-# simpletir's code_turns format: tests/test_simpletir.py).
-ON_TOOLWORLD = tuple(name for name in REGISTERED if "tool_call" in get_algorithm(name).formats)
-ALGORITHMS = ON_TOOLWORLD if FULL else ("portool", "grpo", "dapo", "arpo", "gigpo", "tree_grpo")
-KILLED = ALGORITHMS if FULL else ("portool",)  # the others: an uninterrupted run only
+ALGORITHMS = tuple(REGISTERED) if FULL else ("portool", "grpo", "dapo", "arpo", "gigpo", "tree_grpo", "flow_grpo")
+KILLED = ALGORITHMS if FULL else ("portool", "flow_grpo")  # the others: an uninterrupted run only
+# The code formats: a random policy never boxes an answer (one verdict for a whole group: zero
+# advantages, rl_helpers.FORMAT_FLAGS) and writes only void turns, which SimpleTIR masks whole. Their
+# updates change nothing; resume is checked on the rest (records, metrics, optimizer state, RNG).
+NO_SIGNAL = ("torl", "simpletir")
 ITERATIONS = 2
 TIMEOUT_S = 400  # a run's wall-clock limit
 
@@ -93,11 +96,13 @@ def test_trains_end_to_end_and_killed_runs_resume_bit_identically(algorithm, set
     assert sorted(straight_rows) == list(range(1, ITERATIONS + 1))
     for row in straight_rows.values():  # the first update after sampling: the trainer agrees with the sampler
         assert row["first_ratio"] == pytest.approx(1.0, abs=1e-5) and row["first_clipfrac"] == 0.0
-        assert row["advantage_abs"] > 0  # not a vacuous update
+        if algorithm not in NO_SIGNAL:
+            assert row["advantage_abs"] > 0  # not a vacuous update
     final = load_file(os.path.join(w, "policy", "rl", "model.safetensors"))
     initial = load_file(os.path.join(model_dir, "model.safetensors"))
     assert sorted(final) == sorted(initial)
-    assert any(not np.array_equal(final[k], initial[k]) for k in initial)  # it trained
+    if algorithm not in NO_SIGNAL:
+        assert any(not np.array_equal(final[k], initial[k]) for k in initial)  # it trained
     if algorithm not in KILLED:
         return
     resumed_rows = logged_metrics(workdirs["killed"], skip)

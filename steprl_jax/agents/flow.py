@@ -226,14 +226,21 @@ class FrozenModel:
         self.backend, self.temperature, self.max_tokens = backend, float(temperature), int(max_tokens)
         self._pool = concurrent.futures.ThreadPoolExecutor(max(1, workers), thread_name_prefix="frozen")
 
-    def complete(self, conversations: Sequence[list[dict]]) -> list[FrozenReply]:
-        """One reply per conversation, in order; a failed call is a reply with its error, never a raise."""
-        def one(messages):
+    def complete(self, conversations: Sequence[list[dict]],
+                 seeds: Optional[Sequence[int]] = None) -> list[FrozenReply]:
+        """One reply per conversation, in order; a failed call is a reply with its error, never a
+        raise. `seeds`: one per conversation, so that a sampled reply (temperature > 0) does not
+        depend on the order the concurrent calls reach the backend, nor on a restart."""
+        seeds = [None] * len(conversations) if seeds is None else list(seeds)
+        if len(seeds) != len(conversations):
+            raise ValueError(f"{len(seeds)} seeds for {len(conversations)} conversations")
+
+        def one(messages, seed):
             try:
-                return FrozenReply(self.backend.chat(messages, 1, self.temperature, self.max_tokens)[0])
+                return FrozenReply(self.backend.chat(messages, 1, self.temperature, self.max_tokens, seed)[0])
             except Exception as error:  # a backend down or a prompt too long: the rollout goes on
                 return FrozenReply("", f"{type(error).__name__}: {error}")
-        return list(self._pool.map(one, conversations))
+        return list(self._pool.map(one, conversations, seeds))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -88,15 +88,19 @@ class HttpChatBackend:
         with self._stats_lock:
             self.stats[key] += 1
 
-    def chat(self, messages: Messages, n: int, temperature: float, max_tokens: int) -> list[str]:
-        """`n` replies; endpoints that return fewer choices than asked are asked again for the rest."""
+    def chat(self, messages: Messages, n: int, temperature: float, max_tokens: int,
+             seed: int | None = None) -> list[str]:
+        """`n` replies; endpoints that return fewer choices than asked are asked again for the rest
+        (with `seed`, the later rounds with seed + round: the same seed would repeat the replies)."""
         replies: list[str] = []
-        for _ in range(2 * n):  # bounded: every useful round adds at least one reply
+        for round_ in range(2 * n):  # bounded: every useful round adds at least one reply
             if len(replies) >= n:
                 break
             want = min(n - len(replies), self.max_n_per_request)
             body = {"model": self.model, "messages": [dict(m) for m in messages], "n": want,
                     "temperature": temperature, "max_tokens": max_tokens, **self.extra_body}
+            if seed is not None:
+                body["seed"] = seed + round_
             replies.extend(self._post(body)[:want])
         if len(replies) < n:
             raise BackendError(f"endpoint returned {len(replies)} of {n} requested choices")

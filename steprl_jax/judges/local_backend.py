@@ -29,10 +29,11 @@ class LocalChatBackend:
         # A local model has no endpoint; its name and seed stand for it (weights change: use another cache_dir).
         return {"endpoint": "local", "model": self.name, "seed": self.seed}
 
-    def chat(self, messages: Messages, n: int, temperature: float, max_tokens: int) -> list[str]:
+    def chat(self, messages: Messages, n: int, temperature: float, max_tokens: int,
+             seed: int | None = None) -> list[str]:
         try:
             return [c.text for c in self.engine.complete(list(messages), n=n, temperature=temperature,
-                                                         max_tokens=max_tokens)]
+                                                         max_tokens=max_tokens, seed=seed)]
         except RequestError as error:  # e.g. the judge prompt is longer than the context
             raise BackendError(str(error)) from None
 
