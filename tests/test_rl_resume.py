@@ -95,6 +95,8 @@ def test_trains_end_to_end_and_killed_runs_resume_bit_identically(algorithm, set
     straight_rows = logged_metrics(w, skip)
     assert sorted(straight_rows) == list(range(1, ITERATIONS + 1))
     for row in straight_rows.values():  # the first update after sampling: the trainer agrees with the sampler
+        if algorithm in NO_SIGNAL and row.get("skipped"):
+            continue  # SimpleTIR drops every group whose rewards are all equal: no update
         assert row["first_ratio"] == pytest.approx(1.0, abs=1e-5) and row["first_clipfrac"] == 0.0
         if algorithm not in NO_SIGNAL:
             assert row["advantage_abs"] > 0  # not a vacuous update
