@@ -15,6 +15,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -n "${NO_VENV:-}" ] || . launch/_env.sh
 export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}
+# Compiled programs persist across runs and resumes (a tool-world train step took 20 min to compile
+# on 2 cores beside another job): set JAX_COMPILATION_CACHE_DIR to move it, or to "" for none.
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR-$HOME/.cache/steprl_jax/jax}
 ROOT=${1:-runs/code_compare}
 shift || true
 RUNS=("$@")
