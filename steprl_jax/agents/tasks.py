@@ -174,11 +174,14 @@ def _math_problems(config) -> list[tuple[Task, object]]:
             for i, p in enumerate(_select(problems, config, config.task.path))]
 
 
-def _math_demonstrations(problems: list, env_format: str) -> Callable:
+def _math_demonstrations(problems: list, env_format: str) -> Optional[Callable]:
     """task -> the gold steps of its problem in `env_format`; None where a step is not plain
-    arithmetic (some GSM8K annotations) and so has no output Python would print for certain."""
+    arithmetic (some GSM8K annotations) and so has no output Python would print for certain.
+    None for a format the problems cannot be shown in."""
     method = {"tags": "demonstration", "code": "code_demonstration",
-              "code_turns": "code_turns_demonstration"}[env_format]
+              "code_turns": "code_turns_demonstration"}.get(env_format)
+    if method is None:
+        return None
     by_id = {task.id: problem for task, problem in problems}
 
     def demonstrate(task: Task):
