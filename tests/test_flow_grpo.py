@@ -157,7 +157,7 @@ def test_a_turn_runs_the_executor_command_in_the_sandbox_and_every_failure_is_an
             r = flow_schedule._Rollout(0, i, "What is 6 times 7?")
             r.steps.append(Step(text, [1], [0.0], prompt_ids=[2]))
             live.append(r)
-        flow_schedule._act(env, live, jax.random.PRNGKey(0), 0)
+        flow_schedule._act(env, live, flow_schedule._frozen_seeds(jax.random.PRNGKey(0)), 0)
         results = [r.memory[0].result for r in live]
         assert results[0] == "42" and live[0].memory[0].command == "print(6 * 7)"
         assert live[0].steps[0].kind == "tool_call" and live[0].steps[0].tool_results[0]["name"] == flow.PYTHON_CODER
@@ -421,7 +421,7 @@ def test_sampled_frozen_replies_depend_on_their_seeds_only(tokenizer):
     same in any order and batch (the flow schedule seeds every frozen call from its rollout, turn
     and call); an endpoint is sent the seed."""
     from chat_stub import ChatStub
-    from steprl_jax.agents.schedules.flow import _frozen_seed
+    from steprl_jax.agents.schedules.flow import _frozen_seeds
     from swirl_helpers import tiny_model
 
     import jax
@@ -438,9 +438,10 @@ def test_sampled_frozen_replies_depend_on_their_seeds_only(tokenizer):
             model.complete(asks, [1, 2])
     finally:
         model.close()
-    key = jax.random.PRNGKey(3)
-    assert _frozen_seed(key, 5, 1, 0) == _frozen_seed(jax.random.PRNGKey(3), 5, 1, 0)
-    assert len({_frozen_seed(key, 5, 1, c) for c in range(3)} | {_frozen_seed(key, 6, 1, 0)}) == 4
+    seed_of = _frozen_seeds(jax.random.PRNGKey(3))
+    assert seed_of(5, 1, 0) == _frozen_seeds(jax.random.PRNGKey(3))(5, 1, 0)
+    assert len({seed_of(5, 1, c) for c in range(3)} | {seed_of(6, 1, 0)}) == 4
+    assert seed_of(5, 1, 0) != _frozen_seeds(jax.random.PRNGKey(4))(5, 1, 0)
     bodies = []
     stub = ChatStub(lambda body, i: bodies.append(body) or "ok")
     try:

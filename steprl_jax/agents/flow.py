@@ -275,6 +275,7 @@ class FlowEnv:
     `result_chars`: how much of a command and of a result the memory shows."""
 
     format = "flow"
+    schedule = "flow"  # the rollout schedule that runs this environment (evaluation reads it)
 
     def __init__(self, registry, frozen: FrozenModel, *, tool_names: Sequence[str] = (PYTHON_CODER, GENERATOR),
                  result_chars: int = 400, python_tool: str = "python"):

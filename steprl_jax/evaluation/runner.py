@@ -54,7 +54,7 @@ def evaluate(config, model_and_tokenizer=None, *, split: Optional[str] = None, o
     tasks_by_id = {t.id: t for t in suite.tasks}
     started = time.perf_counter()
     try:
-        tree_schedule = _tree_schedule(config)
+        tree_schedule = _tree_schedule(config, suite.env)
         if tree_schedule is not None:  # records are trees, stored a batch of trees at a time
             schedule, settings = tree_schedule
             todo = [Query(f"{t.id}#{schedule.name}", t) for t in suite.tasks if f"{t.id}#{schedule.name}" not in done]
@@ -116,15 +116,17 @@ def evaluate(config, model_and_tokenizer=None, *, split: Optional[str] = None, o
     return metrics
 
 
-def _tree_schedule(config):
+def _tree_schedule(config, env):
     """(schedule, settings) where an evaluated query is one tree record, else None (episodes):
-    PORTool's trees (`rollout.tree.enabled`, the `tree` schedule) and AgentFlow's system (env.format
-    "flow", the `flow` schedule: `rollout.episodes_per_task` rollouts a query, the leaves)."""
+    PORTool's trees (`rollout.tree.enabled`, the `tree` schedule), or the schedule an environment
+    names as the only one that runs it (`env.schedule`: AgentFlow's system, `flow`), with
+    `rollout.episodes_per_task` rollouts a query as the tree's leaves."""
     if config.rollout.tree.enabled:
         schedule = get_schedule("tree")
         return schedule, schedule.settings.from_config(config)
-    if config.env.format == "flow":
-        schedule = get_schedule("flow")
-        settings = schedule.settings.from_config(config)
-        return schedule, dataclasses.replace(settings, n=int(config.rollout.episodes_per_task))
-    return None
+    name = getattr(env, "schedule", None)
+    if name is None:
+        return None
+    schedule = get_schedule(name)
+    settings = schedule.settings.from_config(config)
+    return schedule, dataclasses.replace(settings, n=int(config.rollout.episodes_per_task))

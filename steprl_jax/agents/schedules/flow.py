@@ -10,7 +10,7 @@ the pieces are in agents/flow.py). Per query, `n` rollouts; each runs up to `max
                ends there anyway)
 
 then the frozen solution generator writes the final answer from the memory. Every frozen call has
-a seed of its own (`_frozen_seed`): sampled frozen replies (`rl.flow_grpo.frozen.temperature` > 0)
+a seed of its own (`_frozen_seeds`): sampled frozen replies (`rl.flow_grpo.frozen.temperature` > 0)
 are reproducible and a resumed run rolls out what it would have. All live rollouts of
 a batch take each turn together: one prefill and one generation call for their planner prompts
 (`batch_size` rows at a time), then the frozen calls and the tools concurrently.
@@ -73,6 +73,7 @@ def run(engine, queries: Sequence[Query], settings: FlowSettings, key=None, seed
     queries, n = as_queries(queries), settings.n
     start(engine, key)
     engine.key, run_key = jax.random.split(engine.key)
+    seed_of = _frozen_seeds(run_key)
     rollouts = [_Rollout(j, q.index * n + e, q.task.question) for j, q in enumerate(queries) for e in range(n)]
     first_prompts: dict = {}
     for turn in range(settings.max_turns):
@@ -80,12 +81,12 @@ def run(engine, queries: Sequence[Query], settings: FlowSettings, key=None, seed
         if not live:
             break
         live = _plan(engine, env, live, run_key, turn, first_prompts)
-        _act(env, live, run_key, turn)
+        _act(env, live, seed_of, turn)
         if turn + 1 < settings.max_turns:
-            _verify(env, live, run_key, turn)
+            _verify(env, live, seed_of, turn)
     records = []
     solutions = env.frozen.complete([flow.solution_messages(r.question, _memory(env, r)) for r in rollouts],
-                                    [_frozen_seed(run_key, r.index, settings.max_turns, _SOLVE) for r in rollouts])
+                                    [seed_of(r.index, settings.max_turns, _SOLVE) for r in rollouts])
     for j, q in enumerate(queries):
         task = q.task
         mine = [(r, s) for r, s in zip(rollouts, solutions) if r.query == j]
@@ -101,17 +102,21 @@ def run(engine, queries: Sequence[Query], settings: FlowSettings, key=None, seed
     return records
 
 
-# The frozen calls of a rollout's turn, each with a seed of its own (`_frozen_seed`).
+# The frozen calls of a rollout's turn, each with a seed of its own (`_frozen_seeds`).
 _EXECUTE, _VERIFY, _SOLVE = range(3)
 
 
-def _frozen_seed(run_key, index: int, turn: int, call: int) -> int:
-    """The seed of one frozen call: from the schedule's key, the rollout's global index, the turn
-    and the call, so a sampled frozen reply is the same whatever the batch, the order the
-    concurrent calls run in, or a restart (the planner's keys are drawn the same way)."""
+def _frozen_seeds(run_key):
+    """(rollout's global index, turn, call) -> the seed of that frozen call, from the schedule's
+    key: a sampled frozen reply is the same whatever the batch, the order the concurrent calls run
+    in, or a restart (the planner's keys are drawn the same way). The key is read once."""
     data = np.asarray(jax.random.key_data(run_key), np.uint32).tobytes()
-    digest = hashlib.sha256(data + struct.pack("<qqq", index, turn, call)).digest()
-    return int.from_bytes(digest[:7], "little")  # < 2**56: a valid seed everywhere
+
+    def seed_of(index: int, turn: int, call: int) -> int:
+        digest = hashlib.sha256(data + struct.pack("<qqq", index, turn, call)).digest()
+        return int.from_bytes(digest[:7], "little")  # < 2**56: a valid seed everywhere
+
+    return seed_of
 
 
 def _memory(env, r: _Rollout) -> str:
@@ -163,7 +168,7 @@ def _plan(engine, env, live: list, run_key, turn: int, first_prompts: dict) -> l
     return [r for r, _ in fits]
 
 
-def _act(env, live: list, run_key, turn: int) -> None:
+def _act(env, live: list, seed_of, turn: int) -> None:
     """Parse each planner reply, have the executor write the command, run the tool, add the step to
     the memory: every failure becomes the step's error result."""
     t0 = time.perf_counter()
@@ -174,7 +179,7 @@ def _act(env, live: list, run_key, turn: int) -> None:
             asks.append(flow.executor_messages(live[i].question, p) if p.tool_name == flow.PYTHON_CODER
                         else flow.generator_messages(p))
             owners.append(i)
-    seeds = [_frozen_seed(run_key, live[i].index, turn, _EXECUTE) for i in owners]
+    seeds = [seed_of(live[i].index, turn, _EXECUTE) for i in owners]
     replies = dict(zip(owners, env.frozen.complete(asks, seeds)))
     commands, results = [""] * len(live), [None] * len(live)
     codes = []  # (index, code) to run
@@ -215,9 +220,9 @@ def _act(env, live: list, run_key, turn: int) -> None:
         step.observation_text = flow.render_entry(entry, env.result_chars)
 
 
-def _verify(env, live: list, run_key, turn: int) -> None:
+def _verify(env, live: list, seed_of, turn: int) -> None:
     verdicts = env.frozen.complete([flow.verifier_messages(r.question, _memory(env, r)) for r in live],
-                                   [_frozen_seed(run_key, r.index, turn, _VERIFY) for r in live])
+                                   [seed_of(r.index, turn, _VERIFY) for r in live])
     for r, reply in zip(live, verdicts):
         word = flow.CONTINUE if reply.error else flow.parse_conclusion(reply.text)
         r.steps[-1].observation_text += f"\nVerifier: {word}" + (f" ({reply.error})" if reply.error else "")
