@@ -72,8 +72,8 @@ def rl_config() -> ConfigDict:
                                   mask_void_turns=True, min_std=1e-3, max_sampling_rounds=3)),
         # Flow-GRPO (AgentFlow's train/config.yaml): planner turns 3, clip 0.2 / 0.3, KL loss 0.001 to
         # the initial policy, torch.std; normalize "rollout" (the paper, Agent Lightning 1.0) or "row"
-        # (AgentFlow's published code). The frozen modules: "base" (the initial policy) or "http"
-        # (an OpenAI-compatible endpoint); memory_chars: how much of a command or result the memory
+        # (AgentFlow's published code). The frozen modules: "base" (model.source as loaded, before
+        # any warm start of the planner) or "http" (an OpenAI-compatible endpoint); memory_chars: how much of a command or result the memory
         # shows. Runs the flow format (configs/flow_grpo_arithmetic.py).
         flow_grpo=ConfigDict(dict(
             max_turns=3, normalize="rollout", eps_low=0.2, eps_high=0.3, kl_coef=0.001, ddof=1, memory_chars=400,

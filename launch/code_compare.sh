@@ -2,8 +2,8 @@
 # The code-interpreter methods at CPU scale (SmolLM2-135M-Instruct on the built-in arithmetic with the
 # Python sandbox; held-out questions from the test split, two of its nine templates never trained
 # on): the base model, an SFT warm start on gold-step demonstrations in each code format, ToRL and
-# SimpleTIR from their format's warm start, Flow-GRPO from the base model (its planner has no
-# demonstrations), then one table (python -m steprl_jax.evaluation.compare): each policy's
+# SimpleTIR from their format's warm start, Flow-GRPO from a warm start of its planner (first turns
+# handing the gold steps to the python tool; the frozen modules stay the base model), then one table (python -m steprl_jax.evaluation.compare): each policy's
 # held-out accuracy and its paired difference from the base model on the same questions, and each
 # RL run's difference from its own start. Every run resumes where it stopped; a finished one is
 # skipped. Usage:
@@ -59,6 +59,8 @@ for run in "${RUNS[@]}"; do
         for f in "$ROOT/$from"/eval/iter_00000.*; do [ -e "$w/eval/${f##*/}" ] || cp "$f" "$w/eval/"; done
         extra=(--config.rl.warm_start.source="$ROOT/$from/policy/sft")
       fi
+      # a run with no start of its own warm-starts in its workdir (its iteration 0 evaluates that)
+      [ -n "$from" ] || extra=("${SFT[@]}")
       python -m steprl_jax.main --config="$config" --config.algorithm="$run" --config.workdir="$w" \
         "${extra[@]}" "${CPU[@]}" ${OVERRIDES:-} ;;
   esac

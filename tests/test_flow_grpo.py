@@ -387,6 +387,62 @@ def test_one_online_iteration_of_flow_grpo_with_frozen_modules_behind_an_endpoin
         assert len(evaluated) == 2 and all(len(t["leaf_answers"]) == 1 for t in evaluated)  # flow records
 
 
+def test_the_planner_warm_start_row_is_the_first_planner_prompt_token_for_token_and_hands_the_steps_to_python(
+        tmp_path, tokenizer):
+    import jax
+
+    from chat_stub import ChatStub
+    from steprl_jax.agents.schedules import Query, flow as flow_schedule
+    from steprl_jax.agents.tasks import build_suite
+    from steprl_jax.algorithms import sft
+    from steprl_jax.models.chat import end_of_turn_id
+
+    stub = ChatStub(_frozen_reply())
+    c = _flow_config(tmp_path, stub.base_url)
+    suite = build_suite(c, split="train")
+    try:
+        task = suite.tasks[0]
+        demonstration = suite.demonstrate(task)
+        row = sft.demonstration_row(suite.env, tokenizer, task, demonstration)
+        prompt, reply = row.prefix
+        assert not prompt.loss and reply.loss and reply.ids[-1] == end_of_turn_id(tokenizer)
+        # the schedule's first planner call sees exactly the row's prompt
+        engine = _engine(tokenizer, suite.env)
+        record = flow_schedule.run(engine, [Query("q", task, 0)], flow_schedule.FlowSettings(n=1, max_turns=1),
+                                   jax.random.PRNGKey(0))[0]
+        assert record.nodes[0].step.prompt_ids == list(prompt.ids)
+        step = flow.parse_planner_step(tokenizer.decode(reply.ids[:-1]), suite.env.tool_names)
+        assert step.problem is None and step.tool_name == flow.PYTHON_CODER
+        problem_steps = [s.strip() for s in step.sub_goal.removeprefix("Calculate ").split(",")]
+        assert problem_steps and all(any(ch.isdigit() for ch in s) for s in problem_steps)
+    finally:
+        suite.env.close()
+        stub.close()
+
+
+def test_the_frozen_modules_are_the_base_model_not_the_warm_started_planner(tmp_path, tokenizer):
+    import jax
+    import numpy as np
+
+    from steprl_jax.algorithms import online
+    from swirl_helpers import tiny_model
+
+    c = _flow_config(tmp_path)  # frozen kind "base"
+    base, planner = tiny_model(tokenizer, seed=0), tiny_model(tokenizer, seed=1)
+    loop = online.build_loop(c, planner, tokenizer, base_model=base)
+    try:
+        leaves = lambda sampler: [np.array(x) for x in jax.tree.leaves(sampler._layer_params)]
+        frozen, policy = leaves(loop.engine.env.frozen.backend.engine.sampler), leaves(loop.sampler)
+        reference = online.build_loop(c, base, tokenizer)  # without a warm start: both the base model
+        try:
+            assert all(np.array_equal(a, b) for a, b in zip(frozen, leaves(reference.sampler)))
+        finally:
+            reference.close()
+        assert not all(np.array_equal(a, b) for a, b in zip(frozen, policy))
+    finally:
+        loop.close()
+
+
 def test_the_base_frozen_model_is_the_initial_policy_and_a_train_step_leaves_it_unchanged(tmp_path, tokenizer):
     import jax
     import numpy as np

@@ -287,6 +287,13 @@ class FlowEnv:
         self.registry, self.frozen = registry, frozen
         self.tool_names, self.result_chars, self.python_tool = tuple(tool_names), int(result_chars), python_tool
 
+    def messages(self, task) -> list[dict]:
+        """The planner's first prompt (empty memory); the schedule renders every later one."""
+        return planner_messages(task.question, self.tool_names, render_memory((), self.result_chars))
+
+    def tool_schemas(self, task) -> None:
+        return None  # the tools are described in the planner's prompt
+
     def release(self, task) -> None:
         pass
 

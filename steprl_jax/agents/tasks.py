@@ -85,8 +85,8 @@ def split_config(config, split: str):
 
 def build_suite(config, split: str | None = None, local_model=None) -> TaskSuite:
     """The tasks, environment and outcome rule of `config.task` (`split`: see `split_config`).
-    `local_model`: (model, tokenizer) of the initial policy, the frozen modules' model of the flow
-    format with `rl.flow_grpo.frozen.kind` "base"."""
+    `local_model`: (model, tokenizer) of the base model, the frozen modules' model of the flow
+    format with `rl.flow_grpo.frozen.kind` "base" (`calls_base_model`)."""
     if split is not None:
         config = split_config(config, split)
     name = config.task.name
@@ -102,7 +102,7 @@ def build_suite(config, split: str | None = None, local_model=None) -> TaskSuite
         elif config.env.format == "code_turns":
             suite = _code_turns_suite(config, tasks)
         elif config.env.format == "flow":
-            return _flow_suite(config, tasks, local_model)
+            suite = _flow_suite(config, tasks, local_model)
         else:
             examples = [p.demonstration() for p in shown]
             suite = TaskSuite(tasks, _tagged_env(config, search_index=None, examples=examples),
@@ -175,18 +175,22 @@ def _math_problems(config) -> list[tuple[Task, object]]:
 
 
 def _math_demonstrations(problems: list, env_format: str) -> Optional[Callable]:
-    """task -> the gold steps of its problem in `env_format`; None where a step is not plain
-    arithmetic (some GSM8K annotations) and so has no output Python would print for certain.
-    None for a format the problems cannot be shown in."""
-    method = {"tags": "demonstration", "code": "code_demonstration",
-              "code_turns": "code_turns_demonstration"}.get(env_format)
-    if method is None:
+    """task -> the gold steps of its problem in `env_format` (the flow format: the planner's first
+    turn handing them to the python tool); None where a step is not plain arithmetic (some GSM8K
+    annotations) and so has no output Python would print for certain. None for a format the
+    problems cannot be shown in."""
+    from steprl_jax.agents.flow import PYTHON_CODER
+
+    shown = {"tags": lambda p: p.demonstration(), "code": lambda p: p.code_demonstration(),
+             "code_turns": lambda p: p.code_turns_demonstration(),
+             "flow": lambda p: p.flow_demonstration(PYTHON_CODER)}.get(env_format)
+    if shown is None:
         return None
     by_id = {task.id: problem for task, problem in problems}
 
     def demonstrate(task: Task):
         try:
-            return getattr(by_id[task.id], method)()
+            return shown(by_id[task.id])
         except ValueError:
             return None
 
@@ -249,6 +253,12 @@ def _check_python_tools(config) -> None:
                           f"got {tuple(config.env.tools)}")
 
 
+def calls_base_model(config) -> bool:
+    """Whether the suite's environment calls the base model (`build_suite`'s `local_model`): the
+    flow format's frozen modules of kind "base" do."""
+    return config.env.format == "flow" and config.rl.flow_grpo.frozen.kind == "base"
+
+
 def _flow_suite(config, tasks: list[Task], local_model) -> TaskSuite:
     """AgentFlow's system (agents/flow.py): the planner is the policy; the executor, verifier and
     solution generator are `rl.flow_grpo.frozen`; the python tool is the sandbox. Outcome:
@@ -269,7 +279,7 @@ def _flow_suite(config, tasks: list[Task], local_model) -> TaskSuite:
                                        timeout_s=float(frozen.timeout_s), **sampling)
     elif frozen.kind == "base":
         if local_model is None:
-            raise ConfigError("config.rl.flow_grpo.frozen.kind: 'base' needs the initial policy (this job gives "
+            raise ConfigError("config.rl.flow_grpo.frozen.kind: 'base' needs the base model (this job gives "
                               "none); use kind 'http'")
         model = flow.base_frozen_model(*local_model, max_context=int(config.rollout.max_context),
                                        seed=int(config.seed), **sampling)

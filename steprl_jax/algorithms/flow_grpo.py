@@ -19,7 +19,7 @@ from the policy it trains; we sample the policy itself (`rollout.temperature`, t
 whose prompt exceeds its limit after computing advantages; here a prompt that leaves no room for a
 reply is never sampled, so the rollout's planning ends there (the solution generator still answers).
 Held-out evaluation runs the same system (evaluation/runner.py): `rl.eval.episodes_per_task`
-rollouts a query, the planner at `rl.eval.temperature`, the frozen modules the initial policy.
+rollouts a query, the planner at `rl.eval.temperature`, the frozen modules the base model.
 """
 from __future__ import annotations
 

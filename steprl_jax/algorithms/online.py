@@ -47,7 +47,7 @@ from tqdm import tqdm
 
 from steprl_jax.agents.records import TreeRecord
 from steprl_jax.agents.schedules import Query, get_schedule
-from steprl_jax.agents.tasks import build_suite, rollout_config
+from steprl_jax.agents.tasks import build_suite, calls_base_model, rollout_config
 from steprl_jax.agents.tree_batch import judged_tree
 from steprl_jax.algorithms.base import Algorithm, get_algorithm
 from steprl_jax.algorithms.offline import (export_adapters, items_at, lora_fields, optimizer_config, remat_of)
@@ -133,10 +133,10 @@ def run(config, model_and_tokenizer=None) -> dict:
         "rollout.max_steps": int(config.rollout.max_steps), "warm_start.source": config.rl.warm_start.source,
         "warm_start.updates": int(config.rl.warm_start.updates), **lora_fields(config)})
     # With config.mesh the policy loads straight onto the trainer's mesh (training/distributed.py).
-    model, tokenizer = model_and_tokenizer or distributed.load_policy(config)
-    model, source = warm_start(config, model, tokenizer)
-    loop = build_loop(config, model, tokenizer, base_source=source)
-    del model  # the loop keeps what it needs
+    base, tokenizer = model_and_tokenizer or distributed.load_policy(config)
+    model, source = warm_start(config, base, tokenizer)
+    loop = build_loop(config, model, tokenizer, base_source=source, base_model=base)
+    del model, base  # the loop keeps what it needs
     try:
         return loop.run()
     finally:
@@ -175,9 +175,11 @@ def warm_start(config, model, tokenizer):
     return distributed.load_policy(config, out)[0], out
 
 
-def build_loop(config, model, tokenizer, base_source: Optional[str] = None) -> "OnlineLoop":
+def build_loop(config, model, tokenizer, base_source: Optional[str] = None, base_model=None) -> "OnlineLoop":
     """The loop of `config` around `model` (copied: the learner trains its own; each process samples
-    on its own devices, the parameters moved there by the bridge, training/distributed.py)."""
+    on its own devices, the parameters moved there by the bridge, training/distributed.py).
+    `base_model`: the model before any warm start, for an environment that calls it frozen
+    (`agents.tasks.calls_base_model`; default `model`)."""
     from steprl_jax.agents.rollout import RolloutEngine
     from steprl_jax.judges.judging import Judging
     from steprl_jax.sampling import Sampler
@@ -190,20 +192,24 @@ def build_loop(config, model, tokenizer, base_source: Optional[str] = None) -> "
     # judge's model (here and in evaluation), the flow format's frozen modules; `model` itself
     # without a mesh. Training never writes to it.
     policy = distributed.sampling_copy(model, learner.bridge)
-    suite = build_suite(config, split="train", local_model=(policy, tokenizer))
+    base = policy
+    if base_model is not None and base_model is not model and calls_base_model(config):
+        base = distributed.sampling_copy(base_model, learner.bridge)
+    suite = build_suite(config, split="train", local_model=(base, tokenizer))
     judging = Judging.from_config(config, outcome_rule=suite.outcome_rule, local_model=(policy, tokenizer))
     sampler = Sampler(policy, tokenizer, max_context=int(config.rollout.max_context),
                       mesh=distributed.sampler_mesh(mesh))
     engine = RolloutEngine(sampler, tokenizer, suite.env, dataclasses.replace(rollout_config(config), with_entropy=True),
                            seed=settings.seed)
     return OnlineLoop(settings, learner=learner, engine=engine, judging=judging, tasks=suite.tasks,
-                      evaluate=held_out_evaluation(config, policy, tokenizer, sampler), tokenizer=tokenizer,
+                      evaluate=held_out_evaluation(config, policy, tokenizer, sampler, base), tokenizer=tokenizer,
                       base_source=base_source)
 
 
-def held_out_evaluation(config, policy, tokenizer, sampler) -> Optional[Callable]:
+def held_out_evaluation(config, policy, tokenizer, sampler, base_model=None) -> Optional[Callable]:
     """(out_dir, name) -> metrics: the held-out evaluation of the sampler's current parameters
-    (`rl.eval`: greedy by default, its own vote count); None when switched off or not this process's."""
+    (`rl.eval`: greedy by default, its own vote count); None when switched off or not this process's.
+    `base_model`: as `evaluation.runner.evaluate` takes it."""
     e = config.rl.eval
     if int(e.num_tasks) <= 0 or not distributed.is_primary():  # off; or process 0 evaluates
         return None
@@ -218,7 +224,7 @@ def held_out_evaluation(config, policy, tokenizer, sampler) -> Optional[Callable
         config.task.eval_num_tasks = int(e.num_tasks)
         config.progress = False
     return lambda out_dir, name: evaluate(config, (policy, tokenizer), split="test", out_dir=out_dir, name=name,
-                                          sampler=sampler, plot=False)
+                                          sampler=sampler, plot=False, base_model=base_model)
 
 
 @dataclasses.dataclass

@@ -12,7 +12,7 @@ import operator
 import random
 
 from steprl_jax.data.demonstrations import (
-    Demonstration, code_demonstration, code_turns_demonstration, tagged_demonstration)
+    Demonstration, code_demonstration, code_turns_demonstration, flow_planner_demonstration, tagged_demonstration)
 from steprl_jax.tools.calculator import calculate
 
 
@@ -35,6 +35,12 @@ class ArithmeticProblem:
         """The same solution in SimpleTIR's multi-turn code format."""
         return code_turns_demonstration(self.question, list(self.steps), [python_printed(e) for e in self.steps],
                                         self.answer)
+
+    def flow_demonstration(self, tool_name: str) -> Demonstration:
+        """AgentFlow's planner handing the same steps to the python tool (ValueError as above)."""
+        for e in self.steps:
+            python_printed(e)
+        return flow_planner_demonstration(self.question, list(self.steps), tool_name)
 
 
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,

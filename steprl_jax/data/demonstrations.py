@@ -30,7 +30,7 @@ class DemoStep:
 class Demonstration:
     prompt: str
     steps: tuple[DemoStep, ...]
-    format: str  # "tags" | "tool_call" | "code" | "code_turns"
+    format: str  # "tags" | "tool_call" | "code" | "code_turns" | "flow"
 
     def as_text(self) -> str:
         return self.prompt + "\n" + "".join(step.action + step.observation for step in self.steps)
@@ -70,6 +70,24 @@ def code_turns_demonstration(question: str, expressions: list[str], outputs: lis
     stdout = "".join(line + "\n" for line in outputs)
     run = DemoStep(f"Let me compute this with Python.\n```python\n{code}\n```", code_turns.render_result(stdout, ""))
     return Demonstration(question, (run, _boxed_answer(answer)), "code_turns")
+
+
+def flow_planner_demonstration(question: str, expressions: list[str], tool_name: str) -> Demonstration:
+    """AgentFlow's planner, first turn: one step that hands every gold computation to the python
+    tool (`tool_name`) in the Justification / Context / Sub-Goal / Tool Name format the planner's
+    prompt asks for; the frozen executor writes the code, the frozen solution generator answers.
+    The reply ends its turn (each planner call is a turn of its own)."""
+    if not expressions:
+        raise ValueError("a planner demonstration needs at least one step to compute")
+    if len(expressions) == 1:
+        goal = f"Calculate {expressions[0]} and print the result."
+    else:
+        goal = f"Calculate {', then '.join(expressions)}, and print each result."
+    reply = ("Justification: The query needs exact arithmetic, which Python computes reliably.\n"
+             "Context: The numbers given in the query.\n"
+             f"Sub-Goal: {goal}\n"
+             f"Tool Name: {tool_name}")
+    return Demonstration(question, (DemoStep(reply, ends_turn=True),), "flow")
 
 
 def _printing(expressions: list[str]) -> str:

@@ -7,7 +7,7 @@ import re
 
 from steprl_jax.data.arithmetic import python_printed
 from steprl_jax.data.demonstrations import (
-    Demonstration, code_demonstration, code_turns_demonstration, tagged_demonstration)
+    Demonstration, code_demonstration, code_turns_demonstration, flow_planner_demonstration, tagged_demonstration)
 from steprl_jax.io import DataFormatError, LoadReport, load_records, require
 from steprl_jax.tools.calculator import calculate
 from steprl_jax.tools.protocol import ToolError
@@ -44,6 +44,13 @@ class GSM8KProblem:
         expressions = [e for e, _ in self.steps]
         return code_turns_demonstration(self.question, expressions, [python_printed(e) for e in expressions],
                                         self.answer)
+
+    def flow_demonstration(self, tool_name: str) -> Demonstration:
+        """AgentFlow's planner handing the same steps to the python tool (ValueError as above)."""
+        expressions = [e for e, _ in self.steps]
+        for e in expressions:
+            python_printed(e)
+        return flow_planner_demonstration(self.question, expressions, tool_name)
 
 
 def parse_gsm8k_record(record, where: str) -> GSM8KProblem:

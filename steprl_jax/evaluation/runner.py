@@ -26,14 +26,17 @@ log = logging.getLogger(__name__)
 
 
 def evaluate(config, model_and_tokenizer=None, *, split: Optional[str] = None, out_dir: Optional[str] = None,
-             name: str = "", sampler=None, plot: bool = True) -> dict:
+             name: str = "", sampler=None, plot: bool = True, base_model=None) -> dict:
     """Run the configured evaluation; returns its metrics.
 
     `model_and_tokenizer` skips loading `config.model.source` (its model where this process samples:
     `distributed.sampling_copy` of a policy on the trainer's mesh); `split` picks the task split
     (`agents.tasks.split_config`); records, metrics and the plot go to `out_dir` (default the
     workdir) as `{name}trajectories.jsonl`, `{name}metrics.json`, `{name}summary.png`; `sampler`
-    reuses a sampler (e.g. one that already holds a trained policy's parameters)."""
+    reuses a sampler (e.g. one that already holds a trained policy's parameters); `base_model`: the
+    model an environment calls frozen (`agents.tasks.calls_base_model`), default the evaluated one
+    (a standalone evaluation of a trained flow planner: serve the base model and use
+    `rl.flow_grpo.frozen.kind=http`)."""
     from steprl_jax.sampling import Sampler
     from steprl_jax.training import distributed
 
@@ -43,8 +46,7 @@ def evaluate(config, model_and_tokenizer=None, *, split: Optional[str] = None, o
         # with config.mesh: straight onto this process's sampling devices (config.mesh.sampler)
         model_and_tokenizer = distributed.load_policy(config, sampling=True)
     model, tokenizer = model_and_tokenizer
-    # the flow format's frozen modules (kind "base") are this model: the initial policy in training
-    suite = build_suite(config, split=split, local_model=(model, tokenizer))
+    suite = build_suite(config, split=split, local_model=(model if base_model is None else base_model, tokenizer))
     if sampler is None:
         sampler = Sampler(model, tokenizer, max_context=int(config.rollout.max_context))
     engine = RolloutEngine(sampler, tokenizer, suite.env, rollout_config(config), seed=int(config.seed))
