@@ -34,6 +34,15 @@ def rl_config() -> ConfigDict:
         # shared by PORTool's R_fm cap and the *_fm baselines
         gamma=0.95, fm_scale=0.25,
         eval=ConfigDict(dict(num_tasks=32, episodes_per_task=1, temperature=0.0, votes=5)),
+        # Asynchronous rollouts (algorithms/async_loop.py): a rollout thread samples iterations
+        # ahead of the learner, at most `max_staleness` policy versions behind it (0: the
+        # synchronous loop). in_flight: each new version goes to the sampler at once, also inside
+        # an episode (fresher data, timing-dependent runs); otherwise iteration i samples with
+        # version i - max_staleness exactly (deterministic, resumes bit for bit). is_cap: the
+        # off-policy correction's cap on min(pi_prox / pi_behaviour, cap) (verl's and Tunix's
+        # default 2); 0 trains on the sampler's log-probs uncorrected.
+        # (Not "async": a Python keyword, which ml_collections' --config.* flags cannot parse.)
+        asynchronous=ConfigDict(dict(max_staleness=0, in_flight=False, is_cap=2.0)),
         # SFT on the tool world's expert demonstrations before RL; `source`: an exported policy
         # to start from instead (e.g. the warm start of another run), skipping it.
         warm_start=ConfigDict(dict(source="", updates=0, batch_size=8, learning_rate=1e-5, num_microbatches=1,

@@ -31,6 +31,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FULL = os.environ.get("STEPRL_JAX_RESUME_MATRIX") == "1"  # launch/rl_resume_matrix.sh
 ALGORITHMS = tuple(REGISTERED) if FULL else ("portool", "grpo", "dapo", "arpo", "gigpo", "tree_grpo", "flow_grpo")
 KILLED = ALGORITHMS if FULL else ("portool", "flow_grpo")  # the others: an uninterrupted run only
+# Asynchronous rollouts one version behind the learner (algorithms/async_loop.py): deterministic,
+# so a killed run resumes bit for bit too, its checkpoint holding the iteration rolled out ahead.
+ASYNC = "portool+async"
+ASYNC_FLAGS = ["--config.rl.asynchronous.max_staleness=1"]
 # The code formats: a random policy never boxes an answer (one verdict for a whole group: zero
 # advantages, rl_helpers.FORMAT_FLAGS) and writes only void turns, which SimpleTIR masks whole. Their
 # updates change nothing; resume is checked on the rest (records, metrics, optimizer state, RNG).
@@ -51,20 +55,21 @@ def setup(tmp_path_factory):
     stub.close()
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_trains_end_to_end_and_killed_runs_resume_bit_identically(algorithm, setup, tmp_path):
+@pytest.mark.parametrize("case", ALGORITHMS + (ASYNC,))
+def test_trains_end_to_end_and_killed_runs_resume_bit_identically(case, setup, tmp_path):
     stub, model_dir, env = setup
+    algorithm, extra = ("portool", ASYNC_FLAGS) if case == ASYNC else (case, [])
     workdirs = {name: str(tmp_path / name) for name in ("straight", "killed")}
     logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("straight", "killed", "resumed")}
 
     def start(name, workdir):
         # held-out evaluation in one run (the loop's code is the same for every algorithm)
         command = rl_command(algorithm, model_dir, workdir, stub.base_url, ITERATIONS,
-                             eval_tasks=2 if algorithm == "portool" else 0)
+                             eval_tasks=2 if case == "portool" else 0) + extra
         return subprocess.Popen(command, cwd=ROOT, env=env, stdout=logs[name], stderr=subprocess.STDOUT)
 
     try:
-        if algorithm in KILLED:
+        if case in KILLED + (ASYNC,):
             left = straight_killed_resumed(start, lambda w: checkpoint_steps(w, "rl"), workdirs,
                                            lambda name: (tmp_path / f"{name}.log").read_text(), timeout_s=TIMEOUT_S)
         else:
@@ -73,16 +78,21 @@ def test_trains_end_to_end_and_killed_runs_resume_bit_identically(algorithm, set
     finally:
         for f in logs.values():
             f.close()
-    if algorithm in KILLED:
+    if case in KILLED + (ASYNC,):
         assert left == [1], left  # interrupted after the first iteration's checkpoint
         assert "rl: resumed at iteration 1" in (tmp_path / "resumed.log").read_text()
+    if case == ASYNC:  # iteration 1 was sampled by the initial policy (version 0), one version behind
+        with open(os.path.join(workdirs["straight"], "rollouts", "iter_00001.jsonl")) as f:
+            versions = {v for t in map(json.loads, f) for n in t["nodes"] for v in n["step"]["action_versions"]}
+        assert versions == {0}
+        assert "1 iterations rolled out ahead" in (tmp_path / "resumed.log").read_text()
 
     # end to end: evaluations before and after, records per iteration, TensorBoard, the export
     w = workdirs["straight"]
     for name in ("rollouts/iter_00000.jsonl", "rollouts/iter_00001.jsonl", "policy/rl/model.safetensors",
                  "summary.json"):
         assert os.path.exists(os.path.join(w, name)), name
-    if algorithm == "portool":
+    if case == "portool":
         for it in (0, 2):
             with open(os.path.join(w, "eval", f"iter_{it:05d}.metrics.json")) as f:
                 assert set(json.load(f)["ci"]) >= {"accuracy", "tool_steps", "unanswerable", "format_reward"}
@@ -105,7 +115,10 @@ def test_trains_end_to_end_and_killed_runs_resume_bit_identically(algorithm, set
     assert sorted(final) == sorted(initial)
     if algorithm not in NO_SIGNAL:
         assert any(not np.array_equal(final[k], initial[k]) for k in initial)  # it trained
-    if algorithm not in KILLED:
+    if case == ASYNC:
+        assert [straight_rows[i]["staleness"] for i in (1, 2)] == [0.0, 1.0]
+        assert all(row["stale_dropped"] == 0 and 0 < row["is_weight_mean"] <= 2.0 for row in straight_rows.values())
+    if case not in KILLED + (ASYNC,):
         return
     resumed_rows = logged_metrics(workdirs["killed"], skip)
     assert sorted(resumed_rows) == sorted(straight_rows)

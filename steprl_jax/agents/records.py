@@ -58,6 +58,9 @@ class Step:
     # The prompt the action was sampled from where that is not the path's state: a flow rollout's
     # planner call has a fresh prompt each time (agents/schedules/flow.py); None elsewhere.
     prompt_ids: Optional[list[int]] = None
+    # The policy version that sampled each action token (the sampler's; None where not recorded):
+    # with asynchronous rollouts a weight push may land inside an action, and this says where.
+    action_versions: Optional[list[int]] = None
 
 
 @dataclasses.dataclass

@@ -423,7 +423,7 @@ class RolloutEngine:
             kind=outcome.kind, format_problems=list(outcome.problems), format_checks=dict(outcome.format_checks),
             finish_reason=generation.finish_reason,
             action_entropies=None if generation.entropies is None else [float(x) for x in generation.entropies],
-            generate_s=generate_s, tool_s=tool_s)
+            generate_s=generate_s, tool_s=tool_s, action_versions=versions_of(generation))
         branch.steps.append(step)
         self._settle(branch, step, outcome.final_answer, outcome.ends_episode)
         return step
@@ -580,3 +580,8 @@ def prune_dead_ends(record: TreeRecord) -> TreeRecord:
     remap = lambda d: {str(new_index[int(k)]): v for k, v in d.items() if int(k) in new_index}
     return dataclasses.replace(record, nodes=nodes, leaf_terminations=remap(record.leaf_terminations),
                                leaf_answers=remap(record.leaf_answers), leaf_outcomes=remap(record.leaf_outcomes))
+
+
+def versions_of(generation) -> Optional[list[int]]:
+    """A generation's per-token policy versions as a record keeps them (`Step.action_versions`)."""
+    return None if generation.versions is None else [int(v) for v in generation.versions]

@@ -49,6 +49,7 @@ from steprl_jax.agents.records import TreeRecord
 from steprl_jax.agents.schedules import Query, get_schedule
 from steprl_jax.agents.tasks import build_suite, calls_base_model, rollout_config
 from steprl_jax.agents.tree_batch import judged_tree
+from steprl_jax.algorithms.async_loop import AsyncRun, AsyncSettings
 from steprl_jax.algorithms.base import Algorithm, get_algorithm
 from steprl_jax.algorithms.offline import (export_adapters, items_at, lora_fields, optimizer_config, remat_of)
 from steprl_jax.algorithms.workdir import check_manifest
@@ -78,6 +79,7 @@ class OnlineSettings:
     workdir: str
     progress: bool = False
     export_adapters: bool = False
+    async_rollouts: AsyncSettings = AsyncSettings()  # rl.asynchronous (algorithms/async_loop.py)
 
 
 def read_settings(config) -> OnlineSettings:
@@ -94,17 +96,20 @@ def read_settings(config) -> OnlineSettings:
         raise ConfigError(f"config.env.format: {algorithm.name} trains on the {' or '.join(algorithm.formats)} "
                           f"format; got {config.env.format!r}")
     method = algorithm.read(config)
+    async_rollouts = AsyncSettings.from_config(config)
     steps = int(rl.iterations) * int(rl.ppo_epochs) * int(rl.minibatches)
     learner = LearnerSettings(
         loss=algorithm.loss(method), optimizer=optimizer_config(config, steps),
         num_microbatches=int(rl.num_microbatches), max_microbatch_tokens=int(rl.max_microbatch_tokens),
         remat=remat_of(rl), ppo_epochs=int(rl.ppo_epochs), minibatches=int(rl.minibatches),
         min_rows=int(rl.queries_per_iteration), attention_length=float(rl.attention_length),
-        skip_without_signal=bool(rl.skip_update_without_signal), lora=LoraConfig.from_config(config.get("lora")))
+        skip_without_signal=bool(rl.skip_update_without_signal), lora=LoraConfig.from_config(config.get("lora")),
+        behaviour_cap=async_rollouts.behaviour_cap)
     return OnlineSettings(algorithm, method, learner, iterations=int(rl.iterations),
                           queries_per_iteration=int(rl.queries_per_iteration), save_every=int(rl.save_every),
                           eval_every=int(rl.eval_every), seed=int(config.seed), workdir=str(config.workdir),
-                          progress=bool(config.progress), export_adapters=export_adapters(config))
+                          progress=bool(config.progress), export_adapters=export_adapters(config),
+                          async_rollouts=async_rollouts)
 
 
 def _path(workdir: str, *parts) -> str:
@@ -235,6 +240,17 @@ class IterationResult:
     counts: collections.Counter
     mine: list = dataclasses.field(default_factory=list)  # the trees this process rolled out
 
+    def to_json(self) -> dict:
+        """For a checkpoint of asynchronous rollouts (one process: `mine` is `trees`)."""
+        return {"trees": [t.to_json() for t in self.trees], "kept": [t.to_json() for t in self.kept],
+                "cursor": self.cursor, "counts": dict(self.counts)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "IterationResult":
+        trees = [TreeRecord.from_json(t) for t in data["trees"]]
+        return cls(trees, [TreeRecord.from_json(t) for t in data["kept"]], int(data["cursor"]),
+                   collections.Counter(data["counts"]), mine=trees)
+
 
 class OnlineLoop:
     def __init__(self, settings: OnlineSettings, *, learner: Learner, engine, judging, tasks: Sequence,
@@ -259,33 +275,45 @@ class OnlineLoop:
         self.learner.close()
 
     # ------------------------------------------------------------------ resume
-    def _restore(self) -> tuple[int, int]:
+    def restore_position(self) -> tuple[int, int, list]:
+        """(iteration, query cursor, queued iterations) of the latest checkpoint; (0, 0, []) when
+        there is none. Queued: iterations rolled out ahead of the learner (asynchronous rollouts,
+        `IterationResult.to_json` with their iteration), the cursor then the one after them."""
         position = self.learner.restore()
         if position is None:
-            return 0, 0
+            return 0, 0, []
         start, cursor = int(position["iteration"]), int(position["cursor"])
         if position.get("next_rollout_key") != _key_list(rollout_key(self.seed, start)):
             raise ValueError(f"{self.learner.ckpt.directory}: the checkpoint's rollout key does not follow from "
                              f"seed {self.seed} (was the seed changed?)")
-        log.info("rl: resumed at iteration %d (step %d)", start, self.learner.step)
-        return start, cursor
+        queued = list(position.get("queued", []))
+        log.info("rl: resumed at iteration %d (step %d)%s", start, self.learner.step,
+                 f", {len(queued)} iterations rolled out ahead" if queued else "")
+        return start, cursor, queued
 
-    def _save(self, iteration: int, cursor: int) -> None:
-        self.learner.save(iteration, {"iteration": iteration, "cursor": cursor,
-                                      "next_rollout_key": _key_list(rollout_key(self.seed, iteration)),
-                                      "next_tree_seed": iteration_seed(self.seed, iteration)})
+    def save(self, iteration: int, cursor: int, queued: Sequence[dict] = ()) -> None:
+        position = {"iteration": iteration, "cursor": cursor,
+                    "next_rollout_key": _key_list(rollout_key(self.seed, iteration)),
+                    "next_tree_seed": iteration_seed(self.seed, iteration)}
+        if queued:
+            position["queued"] = list(queued)
+        self.learner.save(iteration, position)
 
-    def _push_params(self) -> None:
-        self.sampler.set_params(self.learner.policy())
+    def push_params(self, version: int) -> None:
+        """The learner's policy to the sampler, as policy `version` (the iterations trained)."""
+        self.sampler.set_params(self.learner.policy(), version=version)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict:
+        """The synchronous loop; asynchronous rollouts (`rl.asynchronous`) run `async_loop.AsyncRun`,
+        which also takes a checkpoint that holds iterations rolled out ahead."""
         s = self.settings
-        start, cursor = self._restore()
+        start, cursor, queued = self.restore_position()
+        if s.async_rollouts.enabled or queued:
+            return AsyncRun(self, s.async_rollouts).run(start, cursor, queued)
         if start:
-            self._push_params()
-        bar = tqdm(total=s.iterations, initial=start, desc=f"rl/{self.algorithm.name}",
-                   disable=not s.progress or not distributed.is_primary())
+            self.push_params(start)
+        bar = self.progress_bar(start)
         summary = {}
         try:
             for it in range(start, s.iterations):
@@ -300,16 +328,29 @@ class OnlineLoop:
                 metrics.update(self.train(result.kept, it))
                 trim_heap()
                 metrics["iteration_s"] = time.perf_counter() - t0
-                self._write_records(it, result.mine)
-                if self.metrics_log is not None:
-                    self.metrics_log.write(it + 1, metrics)
+                self.write_records(it, result.mine)
+                self.log_metrics(it + 1, metrics)
                 if (it + 1) % s.save_every == 0 or it + 1 == s.iterations:
-                    self._save(it + 1, cursor)
+                    self.save(it + 1, cursor)
                 bar.update(1)
                 bar.set_postfix({k: f"{metrics[k]:.3g}" for k in ("reward_mean", "loss") if k in metrics})
                 summary = metrics
         finally:
             bar.close()
+        return self.finish(summary)
+
+    def progress_bar(self, start: int):
+        s = self.settings
+        return tqdm(total=s.iterations, initial=start, desc=f"rl/{self.algorithm.name}",
+                    disable=not s.progress or not distributed.is_primary())
+
+    def log_metrics(self, step: int, metrics: dict) -> None:
+        if self.metrics_log is not None:
+            self.metrics_log.write(step, metrics)
+
+    def finish(self, summary: dict) -> dict:
+        """The final evaluation, the exported policy and summary.json."""
+        s = self.settings
         final = self.evaluate(s.iterations)
         self.learner.export(self.tokenizer, _path(self.workdir, "policy", "rl"), adapters=s.export_adapters,
                             base_source=self.base_source)
@@ -389,7 +430,9 @@ class OnlineLoop:
         self.judging.judge_trees(pairs)
 
     # ------------------------------------------------------------------ train
-    def train(self, kept: Sequence[TreeRecord], iteration: int = 0) -> dict:
+    def train(self, kept: Sequence[TreeRecord], iteration: int = 0, push: bool = True) -> dict:
+        """Build the method's batch from `kept` and update the learner; `push`: the new policy to the
+        sampler (as version iteration + 1)."""
         if not kept:
             log.warning("rl: no judged tree to train on this iteration (judge failures or all groups dropped)")
             return {"skipped": 1.0}
@@ -399,21 +442,28 @@ class OnlineLoop:
         if not rows:
             return {**metrics, "skipped": 1.0}
         metrics.update(self.learner.update(rows, where=f"rl iteration {iteration + 1}"))
-        self._push_params()
+        if push:
+            self.push_params(iteration + 1)
         return metrics
 
     # ------------------------------------------------------------------ records + eval
-    def _write_records(self, iteration: int, trees: Sequence[TreeRecord]) -> None:
+    def write_records(self, iteration: int, trees: Sequence[TreeRecord]) -> None:
         """This process's rollouts of the iteration (one file per process with several)."""
         text = "".join(json.dumps(t.to_json(), ensure_ascii=False) + "\n" for t in trees)
         name = f"iter_{iteration:05d}" + (f".process{jax.process_index()}" if jax.process_count() > 1 else "")
         write_text_atomic(_path(self.workdir, "rollouts", f"{name}.jsonl"), text)
 
+    def _eval_path(self, iteration: int) -> tuple[str, str, str]:
+        out_dir, name = _path(self.workdir, "eval"), f"iter_{iteration:05d}."
+        return out_dir, name, os.path.join(out_dir, f"{name}metrics.json")
+
+    def evaluated(self, iteration: int) -> bool:
+        """Whether the held-out evaluation at `iteration` is done (or switched off)."""
+        return self._evaluate is None or os.path.exists(self._eval_path(iteration)[2])
+
     def evaluate(self, iteration: int) -> dict:
         """Held-out evaluation of the current policy (the sampler's parameters), once per iteration."""
-        out_dir = _path(self.workdir, "eval")
-        name = f"iter_{iteration:05d}."
-        path = os.path.join(out_dir, f"{name}metrics.json")
+        out_dir, name, path = self._eval_path(iteration)
         if os.path.exists(path):
             with open(path, encoding="utf-8") as f:
                 return json.load(f)

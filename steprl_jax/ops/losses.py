@@ -103,11 +103,14 @@ def _check_clip(eps_low, eps_high, dual_clip) -> None:
 
 def policy_loss(logp_bt, old_logp_bt, advantages_bt, mask_bt, *, eps_low: float,
                 eps_high: float, dual_clip: Optional[float] = None, agg: str = "token_mean",
-                norm: Optional[float] = None) -> Tuple[jax.Array, jax.Array, Dict[str, jax.Array]]:
+                norm: Optional[float] = None,
+                is_weight_bt: Optional[jax.Array] = None) -> Tuple[jax.Array, jax.Array, Dict[str, jax.Array]]:
     """PPO/GRPO clipped surrogate, per token, aggregated as `(loss_sum, denominator, metrics)`.
 
     Per token: r = exp(logp - old_logp), loss = max(-A r, -A clip(r, 1-eps_low, 1+eps_high));
-    with `dual_clip=c` the loss of a token with A < 0 is also capped at -c A.
+    with `dual_clip=c` the loss of a token with A < 0 is also capped at -c A. `is_weight_bt`
+    (off-policy correction, `truncated_is_weights`): each token's loss times its weight, which
+    carries no gradient.
 
     `metrics` holds token SUMS (over the masked tokens) plus `token_count`, `ratio_max` and
     `ratio_min`; `finalize_metrics` turns them into means. Keys: clipfrac (the clipped term is
@@ -127,6 +130,9 @@ def policy_loss(logp_bt, old_logp_bt, advantages_bt, mask_bt, *, eps_low: float,
         cap = -adv * dual_clip
         dual_active = (adv < 0) & (loss > cap)
         loss = jnp.where(adv < 0, jnp.minimum(loss, cap), loss)
+    if is_weight_bt is not None:
+        _check_shapes(logp=logp_bt, is_weight=is_weight_bt)
+        loss = loss * jax.lax.stop_gradient(is_weight_bt.astype(jnp.float32))
     total, denom = aggregate(loss, mask_bt, agg, norm=norm)
 
     on = m > 0
@@ -141,6 +147,26 @@ def policy_loss(logp_bt, old_logp_bt, advantages_bt, mask_bt, *, eps_low: float,
         "ratio_min": jnp.min(jnp.where(on, ratio_ng, jnp.inf)),
     }
     return total, denom, metrics
+
+
+def truncated_is_weights(proximal_logp_bt, behaviour_logp_bt, mask_bt, cap: float):
+    """Decoupled PPO's behaviour correction (AReaL; verl's token-level truncated IS): per token
+    w = min(exp(log pi_prox - log pi_behav), cap), 0 off the mask. pi_behav sampled the token
+    (the sampler's recorded log-prob, possibly some versions old), pi_prox is the learner's
+    policy when the update starts; the surrogate clips r = pi / pi_prox and is weighted by w.
+    Returns (weights [B, L], metric sums: is_weight, is_truncated, is_weight_max, token_count)."""
+    _check_shapes(proximal=proximal_logp_bt, behaviour=behaviour_logp_bt, mask=mask_bt)
+    if not cap > 0:
+        raise ValueError(f"the importance-weight cap must be > 0, got {cap}")
+    on = mask_bt > 0
+    log_w = jnp.clip(proximal_logp_bt - behaviour_logp_bt, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    raw = jnp.exp(log_w.astype(jnp.float32))
+    weights = jnp.where(on, jnp.minimum(raw, cap), 0.0)
+    sums = {"is_weight": jnp.sum(weights),
+            "is_truncated": jnp.sum((on & (raw > cap)).astype(jnp.float32)),
+            "is_weight_max": jnp.max(jnp.where(on, raw, -jnp.inf)),
+            "token_count": jnp.sum(on.astype(jnp.float32))}
+    return weights, sums
 
 
 def finalize_metrics(metric_sums: Dict[str, jax.Array]) -> Dict[str, jax.Array]:

@@ -75,6 +75,9 @@ class Generation:
     text: Optional[str] = None
     stop_string: Optional[str] = None
     text_after_stop: str = ""
+    # int32 [n]: the policy version (`Sampler.version`) that sampled each token; a weight push
+    # between two calls of a continued row shows where it landed
+    versions: Optional[np.ndarray] = None
     stop_state: int = 0  # the stop-string automaton's state, for continuing a `running` row
 
 

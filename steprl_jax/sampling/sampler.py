@@ -62,7 +62,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -360,6 +360,16 @@ def _decode_impl(graphdef, constrain, params, layer_params, unembed_vd, cache, l
     return (c["cache"], c["tok"], c["out_tok"], c["out_lp"], c["out_ent"], c["n"], c["auto"], reason)
 
 
+class _Weights(NamedTuple):
+    """What the sampler samples with: the cast parameters (stacked layers emptied), one dict per
+    layer, the unembedding, and the policy version they are."""
+
+    params: Any
+    layers: Any
+    unembed: jax.Array
+    version: int
+
+
 def jitted_programs(graphdef, mesh, constrain) -> tuple:
     """(extend, decode, take_rows): the sampler's jitted prefill/append, decode-loop and fork
     programs, traced under `mesh` (the fused kernels read it there); the caches they take are
@@ -454,10 +464,14 @@ class Sampler:
         self.set_params(model)
 
     # ------------------------------------------------------------------ parameters
-    def set_params(self, model: Transformer) -> None:
+    def set_params(self, model: Transformer, version: Optional[int] = None) -> None:
         """Take (new) parameters from `model` (same architecture); casts matmul weights once.
         With a mesh they are placed with the sampler's own shardings (by its rules table),
-        device to device, wherever the trainer kept them."""
+        device to device, wherever the trainer kept them. `version`: the policy version they are
+        (default: one more than the last); every sampled token records the version that sampled
+        it (`Generation.versions`). Safe to call from another thread while this one samples: a
+        call in flight finishes on the weights it started with (one prefill chunk or one decode
+        call), the next takes the new ones."""
         if model.config != self.config:
             raise ValueError("set_params: the model's config differs from the sampler's")
         _, state = nnx.split(model)
@@ -472,11 +486,26 @@ class Sampler:
                 state, is_leaf=lambda v: isinstance(v, nnx.Variable))
         # The cached layers run unrolled (see `Transformer.extend`): keep one parameter dict per
         # layer, and in place of the stacked layer weights keep empty placeholders (no copy twice).
-        self._layer_params = self._unstack_jit(state)  # one compiled program for every update
+        layer_params = self._unstack_jit(state)  # one compiled program for every update
         state = jax.tree.map(lambda x: x, state)
         state["layers"] = jax.tree.map(lambda x: jnp.zeros((0,), x.dtype), state["layers"])
-        self._params = state
-        self._unembed = model.unembedding().astype(dtype)
+        previous = getattr(self, "_weights", None)
+        version = (0 if previous is None else previous.version + 1) if version is None else int(version)
+        # One assignment: a sampling thread reads all of it or none of it.
+        self._weights = _Weights(state, layer_params, model.unembedding().astype(dtype), version)
+
+    @property
+    def version(self) -> int:
+        """The policy version of the current parameters (`set_params`)."""
+        return self._weights.version
+
+    @property
+    def _params(self):
+        return self._weights.params
+
+    @property
+    def _layer_params(self):
+        return self._weights.layers
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -732,8 +761,9 @@ class Sampler:
             max_context=self.max_context)
         self._note("decode", program)
         keys = self._row_keys(key, n, B)
+        weights = self._weights  # the whole call samples with one version
         cache, last, out_tok, out_lp, out_ent, n_gen, auto, reason = self._decode_jit(
-            self._params, self._layer_params, self._unembed, state.cache, state.last_token, self._put_rows(length_b),
+            weights.params, weights.layers, weights.unembed, state.cache, state.last_token, self._put_rows(length_b),
             self._put_rows(max_new_b), keys, self._put_rows(n0_b), self._put_rows(auto0_b), jnp.int32(limit),
             jnp.bool_(return_on_finish), jnp.float32(params.temperature), jnp.float32(params.top_p),
             table, program=program)
@@ -750,12 +780,14 @@ class Sampler:
             k, before = int(new[b]), running[b]
             tokens, logprobs = np.asarray(out_tok[b, :k], np.int32), np.asarray(out_lp[b, :k])
             entropies = np.asarray(out_ent[b, :k]) if params.with_entropy else None
+            versions = np.full(k, weights.version, np.int32)
             if before is not None:
                 tokens, logprobs = np.concatenate([before.tokens, tokens]), np.concatenate([before.logprobs, logprobs])
+                versions = np.concatenate([before.versions, versions])
                 if entropies is not None:
                     entropies = np.concatenate([before.entropies, entropies])
             gen = Generation(tokens=tokens, logprobs=logprobs, finish_reason=FINISH_REASONS[int(reason[b])],
-                             entropies=entropies, stop_state=int(auto[b]))
+                             entropies=entropies, stop_state=int(auto[b]), versions=versions)
             if self.tokenizer is not None and gen.finish_reason != "running":
                 self._set_text(gen, stop)
             gens.append(gen)
@@ -923,6 +955,7 @@ class Sampler:
                 ids[b, total - f.size:] = f
                 pos[b, total - f.size:] = np.arange(start, start + f.size)
         cache, index, lo = state.cache, state.index, 0
+        weights = self._weights  # one version for the whole feed
         for chunk, T in zip(sizes, widths):
             ids_c = np.zeros((B, T), np.int32)
             pos_c = np.full((B, T), -1, np.int32)
@@ -931,7 +964,7 @@ class Sampler:
             pos_c[:, T - chunk:] = pos[:, lo:lo + chunk]
             program = ExtendProgram(B, T, state.cache_length, fresh=index == 0 and self._fused_prefill)
             self._note("extend", program)
-            cache = self._extend_jit(self._params, self._layer_params, cache, self._put_rows(ids_c),
+            cache = self._extend_jit(weights.params, weights.layers, cache, self._put_rows(ids_c),
                                      self._put_rows(pos_c), program=program)
             index += T
             lo += chunk

@@ -32,6 +32,7 @@ class Batch:
     advantages: jax.Array                  # float32 [B, L] (ignored by SFT)
     old_logp: jax.Array                    # float32 [B, L], sampling log-probs (ignored by SFT)
     ref_logp: Optional[jax.Array] = None   # float32 [B, L], for the KL penalty
+    is_weight: Optional[jax.Array] = None  # float32 [B, L], off-policy importance weight per token (no gradient)
     attention_mask: Optional[jax.Array] = None  # int32/bool [B, L]
     positions: Optional[jax.Array] = None  # int32 [B, L], None: counted from the start
     branch_ids: Optional[jax.Array] = None  # int32 [B, L], the token's branch (preorder; 0 = the prefix)
@@ -65,7 +66,7 @@ def validate_batch(batch: Batch, *, vocab_size: Optional[int] = None,
     tokens = np.asarray(batch.tokens)
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be [batch, length], got shape {tokens.shape}")
-    for name in ("loss_mask", "advantages", "old_logp", "ref_logp", "attention_mask", "positions",
+    for name in ("loss_mask", "advantages", "old_logp", "ref_logp", "is_weight", "attention_mask", "positions",
                  "branch_ids", "branch_ends"):
         value = getattr(batch, name)
         if value is None:

@@ -30,6 +30,7 @@ import numpy as np
 from steprl_jax.models import lora
 from steprl_jax.models.lora import LoraConfig
 from steprl_jax.models.sharding import batch_sharding
+from steprl_jax.ops.losses import truncated_is_weights
 from steprl_jax.training import distributed
 from steprl_jax.training.checkpoint import Checkpointer
 from steprl_jax.training.config import LossConfig, OptimizerConfig, TrainStepConfig
@@ -56,8 +57,15 @@ class LearnerSettings:
     # zero advantages give a zero gradient): AdamW's momentum and weight decay would still move it.
     skip_without_signal: bool = False
     lora: Optional[LoraConfig] = None  # train low-rank adapters on a frozen copy
+    # Off-policy correction (asynchronous rollouts): > 0 recomputes each token's log-prob under the
+    # policy as the update starts (the proximal policy: the clip's reference) and weighs its loss by
+    # min(pi_prox / pi_behaviour, cap) (`ops.losses.truncated_is_weights`). None: the sampler's
+    # log-probs are the clip's reference (on-policy data: ratio 1 at the first step).
+    behaviour_cap: Optional[float] = None
 
     def __post_init__(self):
+        if self.behaviour_cap is not None and not self.behaviour_cap > 0:
+            raise ValueError(f"behaviour_cap must be None or > 0, got {self.behaviour_cap}")
         if self.attention_length > 0 and self.loss.agg != "token_mean":
             raise ValueError(f"regrouping rows (attention_length > 0) keeps the loss only under the token_mean "
                              f"aggregation, not {self.loss.agg!r}")
@@ -88,6 +96,7 @@ class Learner:
                 _, self.ref_params, _ = split_model(copy_model(*split_model(model)))
                 if self.mesh is not None:
                     self.ref_params = jax.device_put(self.ref_params, shardings.params)
+        if s.loss.kl_coef > 0 or s.behaviour_cap is not None:
             self.logprob_fn = make_logprob_fn(self.graphdef, temperature=s.loss.temperature, mesh=self.mesh)
         self.ckpt = Checkpointer(checkpoint_dir, max_to_keep=2)
         if base_source is not None and distributed.is_primary():
@@ -117,7 +126,7 @@ class Learner:
             num_microbatches=s.num_microbatches, min_rows=s.min_rows, max_length=s.max_length,
             logprob_fn=self.logprob_fn, ref_params=self.ref_params, attention_length=s.attention_length,
             mesh=self.mesh, skip_without_signal=s.skip_without_signal and s.loss.zero_advantages_zero_gradient,
-            where=where)
+            behaviour_cap=s.behaviour_cap, where=where)
         return metrics
 
     def policy(self):
@@ -172,14 +181,16 @@ def pack_rows(rows, *, num_microbatches: int = 1, min_rows: int = 0, max_length:
 
 def train_on_rows(step_fn, state, rows, *, ppo_epochs: int = 1, minibatches: int = 1, num_microbatches: int = 1,
                   min_rows: int = 0, max_length: Optional[int] = None, logprob_fn=None, ref_params=None,
-                  attention_length: float = 0.0, mesh=None, skip_without_signal: bool = False, where: str = ""):
+                  attention_length: float = 0.0, mesh=None, skip_without_signal: bool = False,
+                  behaviour_cap: Optional[float] = None, where: str = ""):
     """Pack `rows` (`pack_rows`) and run ppo_epochs x minibatches train steps; returns (state,
     metrics). The loop every algorithm shares (offline and online). With a `mesh` the rows are
     padded to a multiple of its data shards and placed over them (every process holds the same
     rows: the global batch). `skip_without_signal`: a minibatch whose trained tokens all have
     advantage 0 takes no step (its policy gradient is 0, yet AdamW's momentum and weight decay
     would still move the weights); only where `LossConfig.zero_advantages_zero_gradient`.
-    A step whose loss, gradient norm or learning rate is not finite raises `NonFiniteError`
+    `behaviour_cap`: the off-policy correction (`LearnerSettings.behaviour_cap`; needs `logprob_fn`),
+    the proximal log-probs computed for every minibatch before the first step. A step whose loss, gradient norm or learning rate is not finite raises `NonFiniteError`
     naming `where` (e.g. "sft update 3"), the train step and the metric."""
     shards = data_shards(mesh)
     host = pack_rows(rows, num_microbatches=num_microbatches * minibatches * shards, min_rows=min_rows,
@@ -196,11 +207,13 @@ def train_on_rows(step_fn, state, rows, *, ppo_epochs: int = 1, minibatches: int
         return state, {**metrics, "train_s": 0.0}
     if mesh is not None:
         parts = [put_global(part, lambda x: batch_sharding(mesh, ndim=x.ndim)) for part in parts]
-    if logprob_fn is not None:
-        parts = [part.replace(ref_logp=logprob_fn(ref_params, state.rest, part.tokens, part.attention_mask,
-                                                  part.loss_mask, part.positions, part.branch_ids, part.branch_ends,
-                                                  part.key_blocks))
-                 for part in parts]
+    logprobs = lambda params, part: logprob_fn(params, state.rest, part.tokens, part.attention_mask, part.loss_mask,
+                                               part.positions, part.branch_ids, part.branch_ends, part.key_blocks)
+    if ref_params is not None:
+        parts = [part.replace(ref_logp=logprobs(ref_params, part)) for part in parts]
+    if behaviour_cap is not None:
+        parts, correction = _behaviour_correction(parts, lambda part: logprobs(state.params, part), behaviour_cap)
+        metrics.update(correction)
     t1 = time.perf_counter()
     first_step = int(jax.device_get(state.step))
     step_metrics = []
@@ -211,6 +224,23 @@ def train_on_rows(step_fn, state, rows, *, ppo_epochs: int = 1, minibatches: int
     step_metrics = jax.device_get(step_metrics)
     check_finite(step_metrics, first_step, where)
     return state, {**_first_and_mean(step_metrics), **metrics, "train_s": time.perf_counter() - t1}
+
+
+def _behaviour_correction(parts, proximal_logprobs, cap: float):
+    """Each minibatch with the clip's reference set to the proximal policy's log-probs and its
+    tokens weighted by `ops.losses.truncated_is_weights` against the sampler's (behaviour) ones;
+    returns (parts, metrics: the weights' mean and max, the fraction truncated at `cap`)."""
+    out, sums = [], []
+    for part in parts:
+        proximal = proximal_logprobs(part)
+        weights, stats = truncated_is_weights(proximal, part.old_logp, part.loss_mask, cap)
+        out.append(part.replace(old_logp=proximal, is_weight=weights))
+        sums.append(stats)
+    sums = jax.device_get(sums)
+    count = max(sum(float(x["token_count"]) for x in sums), 1.0)
+    return out, {"is_weight_mean": sum(float(x["is_weight"]) for x in sums) / count,
+                 "is_weight_max": max(float(x["is_weight_max"]) for x in sums),
+                 "is_truncated": sum(float(x["is_truncated"]) for x in sums) / count}
 
 
 def check_finite(step_metrics: list[dict], first_step: int, where: str = "") -> None:

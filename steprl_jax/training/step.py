@@ -53,7 +53,7 @@ def loss_sums(model, batch: Batch, cfg: LossConfig, remat: Optional[str] = None)
     else:
         total, _, metrics = losses.policy_loss(
             logp_bt, batch.old_logp, batch.advantages, mask_bt, eps_low=cfg.eps_low,
-            eps_high=cfg.eps_high, dual_clip=cfg.dual_clip, agg=cfg.agg, norm=cfg.norm)
+            eps_high=cfg.eps_high, dual_clip=cfg.dual_clip, agg=cfg.agg, norm=cfg.norm, is_weight_bt=batch.is_weight)
     if cfg.kl_coef > 0:
         if batch.ref_logp is None:
             raise ValueError("kl_coef > 0 needs batch.ref_logp (see make_logprob_fn)")

@@ -37,6 +37,7 @@ import numpy as np
 
 from steprl_jax.agents import flow
 from steprl_jax.agents.records import Step, TreeNode, TreeRecord
+from steprl_jax.agents.rollout import versions_of
 from steprl_jax.agents.schedules.base import Query, Schedule, as_queries, start
 from steprl_jax.tools.protocol import ToolResult, error_result
 
@@ -164,7 +165,8 @@ def _plan(engine, env, live: list, run_key, turn: int, first_prompts: dict) -> l
             engine.stats.generated_tokens += len(g.tokens)
             r.steps.append(Step(action_text=(g.text or "") + g.text_after_stop, action_ids=[int(t) for t in g.tokens],
                                 action_logprobs=[float(x) for x in g.logprobs], finish_reason=g.finish_reason,
-                                generate_s=generate_s, prompt_ids=[int(t) for t in ids]))
+                                generate_s=generate_s, prompt_ids=[int(t) for t in ids],
+                                action_versions=versions_of(g)))
     return [r for r, _ in fits]
 
 

@@ -1,0 +1,207 @@
+"""Asynchronous rollouts (algorithms/async_loop.py): the policy version of every sampled token,
+the off-policy correction's weights and update, the driver at staleness 0 against the synchronous
+loop bit for bit, stale work dropped and counted, and in-flight weight pushes. The killed and
+resumed asynchronous run is in test_rl_resume.py."""
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rl_helpers import VerdictServer, tiny_rl_config
+from steprl_jax.algorithms import online
+from steprl_jax.algorithms.async_loop import AsyncRun, AsyncSettings, tree_version
+from steprl_jax.ops import losses
+from steprl_jax.training.metrics_log import read_metrics
+from swirl_helpers import smol_tokenizer, tiny_model
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return smol_tokenizer()
+
+
+# ------------------------------------------------------------------ versions
+def test_every_token_records_the_version_that_sampled_it_and_a_push_between_calls_shows_where(tokenizer):
+    from steprl_jax.sampling import Sampler, SamplingParams
+
+    sampler = Sampler(tiny_model(tokenizer, seed=0), tokenizer, max_context=256)
+    assert sampler.version == 0
+    state = sampler.prefill([tokenizer.encode("Hello there")])
+    key = jax.random.PRNGKey(0)
+    params = SamplingParams(temperature=1.0)
+    no_eos = []  # no stop token: the row runs to its budget
+    state, (first,) = sampler.generate(state, key, max_new_tokens=10, params=params, max_steps=4,
+                                       stop_token_ids=no_eos)
+    assert first.finish_reason == "running" and list(first.versions) == [0] * 4
+    sampler.set_params(tiny_model(tokenizer, seed=1), version=7)  # lands between two decode calls
+    state, (done,) = sampler.generate(state, key, max_new_tokens=10, params=params, running=[first],
+                                      stop_token_ids=no_eos)
+    assert list(done.versions) == [0] * 4 + [7] * 6 and len(done.tokens) == 10
+    sampler.set_params(tiny_model(tokenizer, seed=2))  # default: the next version
+    assert sampler.version == 8
+
+
+def test_a_tree_is_as_old_as_its_oldest_token():
+    from steprl_jax.agents.records import Step, TreeNode, TreeRecord
+
+    step = lambda versions: Step("a", [1] * len(versions), [0.0] * len(versions), action_versions=versions)
+    tree = TreeRecord("t", "q", "?", "", [1], nodes=[TreeNode(-1, step([3, 3]), 1), TreeNode(0, step([3, 4]), 2)])
+    assert tree_version(tree) == 3
+    assert tree_version(TreeRecord("t", "q", "?", "", [1], nodes=[TreeNode(-1, Step("a", [1], [0.0]), 1)])) is None
+
+
+# ------------------------------------------------------------------ the correction
+def test_truncated_importance_weights_by_hand():
+    prox = jnp.log(jnp.array([[1.0, 0.5, 0.9, 0.2]]))
+    behaviour = jnp.log(jnp.array([[1.0, 0.25, 0.3, 0.4]]))
+    mask = jnp.array([[0.0, 1.0, 1.0, 1.0]])
+    weights, sums = losses.truncated_is_weights(prox, behaviour, mask, cap=2.0)
+    # 0.5/0.25 = 2 (at the cap, not past it), 0.9/0.3 = 3 -> 2, 0.2/0.4 = 0.5; column 0 off the mask
+    np.testing.assert_allclose(np.asarray(weights), [[0.0, 2.0, 2.0, 0.5]], rtol=1e-6)
+    assert float(sums["is_truncated"]) == 1.0 and float(sums["token_count"]) == 3.0
+    assert float(sums["is_weight_max"]) == pytest.approx(3.0, rel=1e-6)
+    assert float(sums["is_weight"]) == pytest.approx(4.5, rel=1e-6)
+    with pytest.raises(ValueError, match="cap must be > 0"):
+        losses.truncated_is_weights(prox, behaviour, mask, cap=0.0)
+
+
+def test_the_weight_scales_each_tokens_surrogate_and_carries_no_gradient():
+    logp = jnp.log(jnp.array([[0.5, 0.5, 0.5]]))
+    old = jnp.log(jnp.array([[0.5, 0.5, 0.4]]))
+    adv = jnp.array([[0.0, 1.0, -1.0]])
+    mask = jnp.array([[0.0, 1.0, 1.0]])
+    w = jnp.array([[0.0, 0.5, 2.0]])
+
+    def loss(lp, weights):
+        total, denom, _ = losses.policy_loss(lp, old, adv, mask, eps_low=0.2, eps_high=0.2, is_weight_bt=weights)
+        return total / denom
+
+    plain = jax.grad(lambda lp: loss(lp, None))(logp)
+    weighted, weight_grad = jax.grad(loss, argnums=(0, 1))(logp, w)
+    np.testing.assert_allclose(np.asarray(weighted), np.asarray(plain * w), rtol=1e-6)
+    assert not np.any(np.asarray(weight_grad))
+
+
+def _rows(tokenizer, logprob_of=None):
+    """Two rows of a prompt and a trained action, with the given behaviour log-probs per action."""
+    from steprl_jax.training.pack import Row, Span
+
+    rows = []
+    for k, (prompt, action, advantage) in enumerate([("What is 2+2?", " It is 4.", 1.0),
+                                                    ("Name a colour.", " Blue, I think.", -1.0)]):
+        p, a = tokenizer.encode(prompt), tokenizer.encode(action, add_special_tokens=False)
+        lp = [-1.0] * len(a) if logprob_of is None else logprob_of(k, p, a)
+        rows.append(Row([Span(p), Span(a, loss=True, logprobs=lp, advantage=advantage)]))
+    return rows
+
+
+def _learner(tokenizer, tmp_path, cap):
+    from steprl_jax.training.config import LossConfig, OptimizerConfig
+    from steprl_jax.training.learner import Learner, LearnerSettings
+
+    settings = LearnerSettings(LossConfig(kind="policy"), OptimizerConfig(learning_rate=1e-2, warmup_steps=0),
+                               behaviour_cap=cap)
+    return Learner(tiny_model(tokenizer, seed=3), settings, seed=0, checkpoint_dir=str(tmp_path / str(cap)))
+
+
+def test_on_fresh_data_the_corrected_update_is_the_plain_one_and_stale_data_is_reweighted(tokenizer, tmp_path):
+    from steprl_jax.training.pack import pack
+
+    # the learner's own log-probs as the behaviour's: data sampled by the policy being trained
+    probe = _learner(tokenizer, tmp_path, 2.0)
+    batch = pack(_rows(tokenizer))
+    own = np.asarray(probe.logprob_fn(probe.state.params, probe.state.rest, batch.tokens, batch.attention_mask,
+                                      batch.loss_mask))
+
+    def fresh(k, prompt, action):
+        start = len(prompt)
+        return [float(x) for x in own[k, start:start + len(action)]]
+
+    plain, corrected = _learner(tokenizer, tmp_path, None), _learner(tokenizer, tmp_path, 2.0)
+    m_plain = plain.update(_rows(tokenizer, fresh))
+    m_corrected = corrected.update(_rows(tokenizer, fresh))
+    assert m_corrected["is_weight_mean"] == 1.0 and m_corrected["is_truncated"] == 0.0
+    assert m_corrected["first_ratio"] == 1.0 and m_corrected["first_clipfrac"] == 0.0
+    for a, b in zip(jax.tree.leaves(plain.state.params), jax.tree.leaves(corrected.state.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    # stale: the behaviour gave every token 4x less probability than the learner now does
+    stale = _learner(tokenizer, tmp_path, 2.0)
+    m = stale.update(_rows(tokenizer, lambda k, p, a: [x - np.log(4.0) for x in fresh(k, p, a)]))
+    assert m["is_weight_mean"] == pytest.approx(2.0) and m["is_truncated"] == 1.0
+    assert m["is_weight_max"] == pytest.approx(4.0, rel=1e-4)
+    assert m["first_ratio"] == pytest.approx(1.0, abs=1e-6)  # the clip's reference is the proximal policy
+
+
+# ------------------------------------------------------------------ the driver
+def _run(tmp_path, name, tokenizer, server, *, settings=None, **rl):
+    c = tiny_rl_config(tmp_path / name, "portool", server.base_url, iterations=3, **rl)
+    c.rl.eval.num_tasks = 0
+    c.rl.skip_update_without_signal = False
+    if settings is not None:
+        c.rl.asynchronous.max_staleness = settings.max_staleness
+        c.rl.asynchronous.in_flight = settings.in_flight
+    loop = online.build_loop(c, tiny_model(tokenizer, seed=5), tokenizer)
+    try:
+        if settings is None:
+            loop.run()
+        else:
+            AsyncRun(loop, settings).run(0, 0, [])
+        params = [np.asarray(x) for x in jax.tree.leaves(loop.learner.state.params)]
+    finally:
+        loop.close()
+    return params, read_metrics(str(tmp_path / name))["rl"]
+
+
+def _records(tmp_path, name, iteration):
+    """The iteration's rollout records, without the steps' timings (generate_s, tool_s)."""
+    with open(tmp_path / name / "rollouts" / f"iter_{iteration:05d}.jsonl") as f:
+        trees = [json.loads(line) for line in f]
+    for tree in trees:
+        for node in tree["nodes"]:
+            node["step"] = {k: v for k, v in node["step"].items() if not k.endswith("_s")}
+    return trees
+
+
+def test_the_driver_at_staleness_0_is_the_synchronous_loop_bit_for_bit(tmp_path, tokenizer):
+    server = VerdictServer()
+    try:
+        sync_params, sync_rows = _run(tmp_path, "sync", tokenizer, server)
+        async_params, async_rows = _run(tmp_path, "async0", tokenizer, server,
+                                        settings=AsyncSettings(max_staleness=0, is_cap=0.0))
+    finally:
+        server.close()
+    for a, b in zip(sync_params, async_params):
+        np.testing.assert_array_equal(a, b)
+    for it in range(3):
+        assert _records(tmp_path, "sync", it) == _records(tmp_path, "async0", it)
+    for s, a in zip(sync_rows, async_rows):
+        assert s["loss"] == a["loss"] and s["reward_mean"] == a["reward_mean"] and a["staleness"] == 0.0
+
+
+def test_in_flight_pushes_reach_the_sampler_and_every_batch_stays_within_its_staleness(tmp_path, tokenizer):
+    server = VerdictServer()
+    try:
+        _, rows = _run(tmp_path, "inflight", tokenizer, server, settings=AsyncSettings(max_staleness=1, in_flight=True))
+    finally:
+        server.close()
+    assert len(rows) == 3 and all(r["stale_dropped"] == 0 and r["staleness"] <= 1 for r in rows)
+    assert all(0 < r["is_weight_mean"] <= 2.0 and "is_truncated" in r for r in rows)
+    for it in range(3):  # iteration i may only start once version i - 1 exists
+        versions = [v for t in _records(tmp_path, "inflight", it) for n in t["nodes"]
+                    for v in n["step"]["action_versions"]]
+        assert versions and it - 1 <= min(versions) and max(versions) <= it
+
+
+def test_work_older_than_the_bound_is_dropped_and_counted():
+    from steprl_jax.agents.records import Step, TreeNode, TreeRecord
+
+    def tree(version):
+        step = Step("a", [1], [0.0], action_versions=[version])
+        return TreeRecord(f"t{version}", "q", "?", "", [1], nodes=[TreeNode(-1, step, 1)])
+
+    run = AsyncRun(None, AsyncSettings(max_staleness=1))
+    kept, dropped, oldest = run._fresh([tree(5), tree(3), tree(4)], version=5)
+    assert [t.id for t in kept] == ["t5", "t4"] and dropped == 1 and oldest == 4
