@@ -16,8 +16,11 @@ def get_config(arg=None):
     # job. bfloat16 on TPU/GPU.
     c.model = ConfigDict(dict(source="smollm2-135m-instruct", compute_dtype="float32"))
     # name: arithmetic (built in) | gsm8k | hotpotqa | toolworld
+    # latency_min_s / latency_max_s: the tool world's calls each take a duration drawn from this
+    # range (a service's response time, e.g. for benchmarks of asynchronous rollouts).
     c.task = ConfigDict(dict(name="arithmetic", path="", split="test", num_tasks=16, offset=0, world_seed=0,
-                             failure_rate=0.0, corpus_path="", search_top_k=1))
+                             failure_rate=0.0, latency_min_s=0.0, latency_max_s=0.0, corpus_path="",
+                             search_top_k=1))
     # format: tags (SWiRL) | tool_call (PORTool); tools for the tag format.
     # few_shot: worked examples shown before each question (math tasks).
     c.env = ConfigDict(dict(format="tags", tools=("calculator",), invalid_action="error_observation", few_shot=2))

@@ -155,6 +155,8 @@ FIELDS: dict[str, Field] = {
     "task.eval_num_tasks": integer(1, jobs=SWIRL, optional=True),  # rl: rl.eval.num_tasks
     "task.world_seed": integer(0, optional=True),  # toolworld
     "task.failure_rate": probability(optional=True),  # toolworld: service tools that fail
+    "task.latency_min_s": number(0, optional=True),  # toolworld: each call's duration, drawn from
+    "task.latency_max_s": number(0, optional=True),  # [min, max]
     "task.corpus_path": text(optional=True, note="'': task.path"),  # hotpotqa
     "task.search_top_k": integer(1, optional=True),  # hotpotqa
 

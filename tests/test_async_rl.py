@@ -121,6 +121,7 @@ def test_on_fresh_data_the_corrected_update_is_the_plain_one_and_stale_data_is_r
 
     plain, corrected = _learner(tokenizer, tmp_path, None), _learner(tokenizer, tmp_path, 2.0)
     m_plain = plain.update(_rows(tokenizer, fresh))
+    assert "is_weight_mean" not in m_plain
     m_corrected = corrected.update(_rows(tokenizer, fresh))
     assert m_corrected["is_weight_mean"] == 1.0 and m_corrected["is_truncated"] == 0.0
     assert m_corrected["first_ratio"] == 1.0 and m_corrected["first_clipfrac"] == 0.0
@@ -205,3 +206,28 @@ def test_work_older_than_the_bound_is_dropped_and_counted():
     run = AsyncRun(None, AsyncSettings(max_staleness=1))
     kept, dropped, oldest = run._fresh([tree(5), tree(3), tree(4)], version=5)
     assert [t.id for t in kept] == ["t5", "t4"] and dropped == 1 and oldest == 4
+
+
+# ------------------------------------------------------------------ the benchmark's judge
+def test_the_benchmark_judge_answers_by_the_tool_world_rule_over_http_after_its_latency():
+    from steprl_jax.agents.records import Step
+    from steprl_jax.benchmarks.verdict_server import VerdictServer, verdict
+    from steprl_jax.judges.http_backend import HttpChatBackend
+    from steprl_jax.judges.items import step_messages
+    from steprl_jax.judges.prompts import trajectory_messages
+
+    def prompt(answer, failed=False):
+        call = f'<think>done</think><tool_call>[{{"name": "response_gen", "arguments": {{"answer": "{answer}"}}}}]' \
+               '</tool_call>'
+        lookup = Step("<think>look</think><tool_call>[]</tool_call>", [1], [0.0],
+                      tool_results=[{"name": "get_price", "error": {"type": "tool_failure", "message": "down"}}]
+                      if failed else [{"name": "get_price", "content": "41.5"}])
+        return trajectory_messages("What was the price?", step_messages([lookup, Step(call, [1], [0.0])]), "41.5")
+
+    assert verdict(prompt("41.5")) == "Verdict: true"
+    assert verdict(prompt("12")) == "Verdict: false"
+    assert verdict(prompt("I cannot tell: the tool failed", failed=True)) == "Verdict: unable_to_answer"
+    assert verdict([{"role": "user", "content": "hello"}]) == "Verdict: false"
+    with VerdictServer(latency_s=0.0) as server:
+        backend = HttpChatBackend(server.base_url, "rule", timeout_s=10.0)
+        assert backend.chat(prompt("41.5"), 2, 0.0, 16) == ["Verdict: true"] * 2

@@ -346,9 +346,13 @@ def _toolworld_suite(config) -> TaskSuite:
     by_id = {q.id: q for q in queries}
     tasks = [Task(q.id, q.question, q.answer, {"context": _context_line(q)}) for q in queries]
     failure_rate = float(config.task.failure_rate)
+    latency_s = (float(config.task.get("latency_min_s", 0.0)), float(config.task.get("latency_max_s", 0.0)))
+    if not 0.0 <= latency_s[0] <= latency_s[1]:
+        raise ConfigError(f"config.task.latency_min_s / latency_max_s: need 0 <= min <= max, got {latency_s}")
 
     def registry_for(task: Task) -> ToolRegistry:
-        return make_registry(world, by_id[task.id].context, failure_rate=failure_rate, salt=task.id)
+        return make_registry(world, by_id[task.id].context, failure_rate=failure_rate, salt=task.id,
+                             latency_s=latency_s)
 
     # tool_rendering: "json" (the schemas, as the chat template takes them) | "compact" (one line a tool).
     env = ToolCallEnv(registry_factory=registry_for, invalid_action=config.env.invalid_action,

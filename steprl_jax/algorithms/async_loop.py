@@ -148,14 +148,18 @@ class AsyncRun:
 
     # ------------------------------------------------------------------ the rollout thread
     def _produce(self, first: int, cursor: int, start: int, stop_at: int) -> None:
+        """Iterations `first`.. (those from `start` were rolled out before a resume: only their
+        evaluations are left), each put on the queue whole."""
         loop, k = self.loop, self.settings.max_staleness
         try:
-            for it in range(first, stop_at):
+            for it in range(start, stop_at):
                 if it % loop.settings.eval_every == 0 and not loop.evaluated(it):
                     model = self._published.wait(it)  # in flight the sampler has it already
                     if model is not None:
                         loop.sampler.set_params(model, version=it)
                     loop.evaluate(it)
+                if it < first:
+                    continue
                 version = max(start, it - k)
                 model = self._published.wait(version)
                 if not self.settings.in_flight:
@@ -192,7 +196,7 @@ class AsyncRun:
         producer = threading.Thread(target=self._produce, name="rollouts", daemon=True,
                                     args=(first, cursor, start, s.iterations))
         producer.start()
-        summary = {}
+        summary, finished = {}, False
         bar = loop.progress_bar(start)
         try:
             for it in range(start, s.iterations):
@@ -220,10 +224,12 @@ class AsyncRun:
                 bar.update(1)
                 bar.set_postfix({m: f"{metrics[m]:.3g}" for m in ("reward_mean", "loss") if m in metrics})
                 summary = metrics
+            finished = True
         finally:
             bar.close()
             self._published.stop()
-            producer.join()
+            # after an error or an interrupt the thread may be mid-iteration: it dies with the process
+            producer.join(timeout=None if finished else 1.0)
         loop.push_params(s.iterations)  # the final evaluation's policy
         return loop.finish(summary)
 

@@ -11,6 +11,7 @@ import datetime as dt
 import hashlib
 import json
 import math
+import time
 from typing import Any, Callable
 
 from steprl_jax.tools.calculator import calculate as calculate_expression
@@ -430,18 +431,34 @@ def _failure_draw(seed: int, salt: str, name: str, arguments: dict) -> float:
     return int.from_bytes(hashlib.sha256(key).digest()[:8], "big") / 2**64
 
 
-def make_tools(world: World, context: EpisodeContext, failure_rate: float = 0.0, salt: str = "") -> list[Tool]:
-    """All tools for one episode. `failure_rate` in [0, 1] makes service tools return `tool_failure`."""
+def make_tools(world: World, context: EpisodeContext, failure_rate: float = 0.0, salt: str = "",
+               latency_s: tuple[float, float] = (0.0, 0.0)) -> list[Tool]:
+    """All tools for one episode. `failure_rate` in [0, 1] makes service tools return `tool_failure`;
+    `latency_s` (lo, hi): each call takes a duration drawn from [lo, hi] (a function of the call, as
+    the failures are), as a remote service would; the calls' timeout grows with it."""
     if not 0.0 <= failure_rate <= 1.0:
         raise ValueError(f"failure_rate must be in [0, 1], got {failure_rate}")
+    lo, hi = (float(x) for x in latency_s)
+    if not 0.0 <= lo <= hi:
+        raise ValueError(f"latency_s must be (lo, hi) with 0 <= lo <= hi, got {tuple(latency_s)}")
     bound = _Bound(world, context)
     tools = []
     for name, description, properties, required in _SPECS:
         fn: Callable = getattr(bound, name)
         if name in SERVICE_TOOLS and failure_rate > 0:
             fn = _failing(fn, name, world.seed, salt, failure_rate)
-        tools.append(Tool(name, description, object_schema(properties, required), fn, timeout_s=2.0))
+        if hi > 0:
+            fn = _slow(fn, name, world.seed, salt, lo, hi)
+        tools.append(Tool(name, description, object_schema(properties, required), fn, timeout_s=2.0 + hi))
     return tools
+
+
+def _slow(fn: Callable, name: str, seed: int, salt: str, lo: float, hi: float) -> Callable:
+    def call(**arguments):
+        time.sleep(lo + (hi - lo) * _failure_draw(seed, salt + "#latency", name, arguments))
+        return fn(**arguments)
+
+    return call
 
 
 def _failing(fn: Callable, name: str, seed: int, salt: str, rate: float) -> Callable:
@@ -454,5 +471,5 @@ def _failing(fn: Callable, name: str, seed: int, salt: str, rate: float) -> Call
 
 
 def make_registry(world: World, context: EpisodeContext, failure_rate: float = 0.0, salt: str = "",
-                  default_timeout_s: float = 5.0) -> ToolRegistry:
-    return ToolRegistry(make_tools(world, context, failure_rate, salt), default_timeout_s=default_timeout_s)
+                  default_timeout_s: float = 5.0, latency_s: tuple[float, float] = (0.0, 0.0)) -> ToolRegistry:
+    return ToolRegistry(make_tools(world, context, failure_rate, salt, latency_s), default_timeout_s=default_timeout_s)
