@@ -132,6 +132,8 @@ def _set(data, path, value):
     (("steps", 0, "action_logprobs"), [-0.5, "x"], "field 'steps[0].action_logprobs' must be a list of finite numbers"),
     (("steps", 0, "action_logprobs"), [-0.5, float("nan")],
      "field 'steps[0].action_logprobs' must be a list of finite numbers, got [-0.5, NaN]"),
+    (("steps", 0, "action_versions"), [3], "field 'steps[0].action_versions' has 1 values for 2 action_ids"),
+    (("steps", 0, "action_versions"), [3, -1], "field 'steps[0].action_versions' must be null or a list of"),
     (("steps", 0, "action_text"), 3, "field 'steps[0].action_text' must be a string, got 3"),
     (("steps", 0, "tool_calls"), ["f"], "field 'steps[0].tool_calls' must be a list of objects"),
     (("steps", 0, "color"), 1, "unknown field 'steps[0].color'"),

@@ -245,7 +245,8 @@ _STEP_FIELDS = {
     "format_problems": (_list_of(lambda x: isinstance(x, str)), "a list of strings"), "format_checks": _OBJECT,
     "finish_reason": _STRING, "generate_s": _NUMBER, "tool_s": _NUMBER,
     "action_entropies": (lambda v: v is None or _is_numbers(v), "null or a list of finite numbers"),
-    "prompt_ids": (lambda v: v is None or _is_ids(v), "null or a list of non-negative integer token ids")}
+    "prompt_ids": (lambda v: v is None or _is_ids(v), "null or a list of non-negative integer token ids"),
+    "action_versions": (lambda v: v is None or _is_ids(v), "null or a list of non-negative integer policy versions")}
 _RECORD_FIELDS = {"version": _ANY, "type": _ANY, "id": _STRING, "query_id": _STRING, "question": _STRING,
                   "prompt_text": _STRING, "prompt_ids": _IDS, "reference_answer": _ANY, "metadata": _OBJECT}
 _TRAJECTORY_FIELDS = {**_RECORD_FIELDS, "steps": _OBJECTS, "final_answer": _STRING_OR_NULL, "termination": _STRING,
@@ -286,6 +287,10 @@ def _check_step(step: dict, where: str, prefix: str) -> None:
     if len(ids) != len(logprobs):
         raise RecordError(f"{where}: field '{prefix}action_logprobs' has {len(logprobs)} values for "
                           f"{len(ids)} action_ids (one log-prob per action token)")
+    versions = step.get("action_versions")
+    if versions is not None and len(versions) != len(ids):
+        raise RecordError(f"{where}: field '{prefix}action_versions' has {len(versions)} values for "
+                          f"{len(ids)} action_ids (one policy version per action token)")
 
 
 def _check_tree(data: dict, where: str) -> None:
