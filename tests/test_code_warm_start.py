@@ -82,13 +82,18 @@ def test_a_gsm8k_step_python_would_not_print_for_certain_leaves_its_problem_out(
         GSM8KProblem("q", "s", "5", ()).code_turns_demonstration()
 
 
-def test_the_flow_format_has_no_expert_rows(tokenizer):
+def test_the_flow_formats_expert_rows_are_the_planners_first_turns(tokenizer):
     from configs import flow_grpo_arithmetic
+    from steprl_jax.agents import flow
 
     c = flow_grpo_arithmetic.get_config()
     c.task.num_tasks = 2
     # frozen modules behind an endpoint: building the suite contacts none
     c.rl.flow_grpo.frozen.kind, c.rl.flow_grpo.frozen.base_url, c.rl.flow_grpo.frozen.model = (
         "http", "http://127.0.0.1:9/v1", "frozen")
-    with pytest.raises(ValueError, match="no expert demonstrations"):
-        expert_rows(c, tokenizer)
+    rows = expert_rows(c, tokenizer)
+    assert len(rows) == 2
+    for row in rows:  # the planner's prompt, then its reply (trained) handing the steps to python
+        prompt, reply = row.prefix
+        assert not prompt.loss and reply.loss and "Previous Steps:**\nNone" in tokenizer.decode(prompt.ids)
+        assert flow.parse_planner_step(tokenizer.decode(reply.ids[:-1]), flow.TOOLS).tool_name == flow.PYTHON_CODER
