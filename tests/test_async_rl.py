@@ -231,3 +231,38 @@ def test_the_benchmark_judge_answers_by_the_tool_world_rule_over_http_after_its_
     with VerdictServer(latency_s=0.0) as server:
         backend = HttpChatBackend(server.base_url, "rule", timeout_s=10.0)
         assert backend.chat(prompt("41.5"), 2, 0.0, 16) == ["Verdict: true"] * 2
+
+
+def test_dynamic_sampling_and_batches_without_signal_work_one_version_behind(tmp_path, tokenizer):
+    """DAPO rolls out more queries for the groups it drops inside the rollout thread, and an
+    iteration left with nothing to train on skips its update; the learner still takes every
+    iteration in order and the run ends."""
+    from steprl_jax.agents.tasks import build_suite
+    from steprl_jax.algorithms.offline import items_at
+
+    c = tiny_rl_config(tmp_path / "dapo", "dapo", "", iterations=2)
+    c.rl.eval.num_tasks = 0
+    first = items_at(build_suite(c, split="train").tasks, 0, 1, int(c.seed))[0]
+    # the first query drawn: every answer true (its group dropped); every other answer false
+    server = VerdictServer(lambda body: "Verdict: true" if first.question in json.dumps(body["messages"])
+                           else "Verdict: false")
+    try:
+        from rl_helpers import judge_http
+
+        judge_http(c, server.base_url)
+        c.rl.asynchronous.max_staleness = 1
+        c.rl.dapo.max_sampling_rounds = 2
+        loop = online.build_loop(c, tiny_model(tokenizer, seed=5), tokenizer)
+        try:
+            before = [np.asarray(x) for x in jax.tree.leaves(loop.learner.state.params)]
+            loop.run()
+            after = [np.asarray(x) for x in jax.tree.leaves(loop.learner.state.params)]
+        finally:
+            loop.close()
+    finally:
+        server.close()
+    rows = read_metrics(str(tmp_path / "dapo"))["rl"]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[0]["groups_dropped"] >= 1 and rows[0]["sampling_rounds"] == 2  # it rolled out more queries
+    assert all(r["skipped"] == 1.0 for r in rows)  # every kept group all false: nothing to learn
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))

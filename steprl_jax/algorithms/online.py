@@ -28,6 +28,10 @@ Per iteration (`algorithms/base.py` says what each method contributes):
 Every random draw of an iteration (the rollout key, the schedule's host RNG) is a pure function
 of (seed, iteration, sampling round), so a resumed run continues bit-identically.
 
+With `rl.asynchronous.max_staleness` K > 0 the same phases run on two threads: queries, rollouts,
+judge and keep ahead of the learner, at most K policy versions behind it; build, train, push, log
+and checkpoint on the learner (algorithms/async_loop.py).
+
 The job (`run`, `build_loop`) reads the ConfigDict once into frozen settings; the loop below it
 takes the settings, the learner (training/learner.py), the rollout engine and the judge.
 """
