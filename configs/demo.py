@@ -38,7 +38,10 @@ def get_config(arg=None):
         deterministic=True,
         # trees (PORTool): n leaves per task, branching factor f, schedule static | resample
         tree=ConfigDict(dict(enabled=False, n=8, f=2, schedule="static", fork_depths=(1, 2, 3)))))
-    # kind: rule | local | http  (model judges take base_url/model/api_key_env/votes/cache_dir)
+    # kind: rule | local | http  (model judges take base_url/model/api_key_env/votes/cache_dir).
+    # process.kind may also be "reference": the math tasks' reference-guided step judge, which sees
+    # the golden solution; an experiment's stand-in for a strong LLM judge, never SWiRL's default
+    # (evaluation reports its verdicts beside the process judge's in any case).
     c.judge = ConfigDict(dict(
         outcome=ConfigDict(dict(kind="rule", base_url="", model="", api_key_env="OPENAI_API_KEY", votes=1)),
         process=ConfigDict(dict(kind="rule", base_url="", model="", api_key_env="OPENAI_API_KEY", votes=1)),

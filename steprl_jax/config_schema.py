@@ -95,12 +95,13 @@ EPS_LOW = dict(lo=0, hi=1, open_hi=True)  # the PPO clip range below 1 (training
 DDOF = dict(lo=0, hi=1, note="the z-score's std: 0 population, 1 sample")
 
 
-def _judge_fields(prefix: str, jobs: tuple, rule_keys: bool) -> dict:
+def _judge_fields(prefix: str, jobs: tuple, rule_keys: bool, kinds: tuple = ("rule", "local", "http"),
+                 note: str = "") -> dict:
     """A model judge's or reward model's settings: what judges/factory.py (and judges/rewards.py)
     accept. Empty strings mean "not set", as there."""
     unset = dict(jobs=jobs, optional=True)
     fields = {
-        "kind": text("rule", "local", "http", jobs=jobs),
+        "kind": text(*kinds, jobs=jobs, **({"note": note} if note else {})),
         "base_url": text(**unset), "model": text(**unset), "api_key_env": text(**unset),
         "cache_dir": text(**unset),
         "votes": integer(1, note="a majority of this many replies", **unset),
@@ -198,7 +199,9 @@ FIELDS: dict[str, Field] = {
     "rollout.tree.fork_depths": Field("ints", lo=1, jobs=("evaluate", "rl")),
 
     **_judge_fields("judge.outcome", JOBS, rule_keys=True),
-    **_judge_fields("judge.process", JOBS, rule_keys=True),
+    **_judge_fields("judge.process", JOBS, rule_keys=True, kinds=("rule", "local", "http", "reference"),
+                    note="reference: the math tasks' reference-guided step judge; it sees the golden "
+                         "solution, for experiments only"),
     "judge.cache_dir": text(note="'': <workdir>/judge_cache"),
     "judge.partial_f1": probability(optional=True, note="0: off"),  # hotpotqa's outcome rule
 

@@ -30,6 +30,9 @@ class TaskSuite:
     # task -> its expert demonstration in env's format (data/demonstrations.py), or None where the
     # task has none; None: the suite has no demonstrations (SFT warm starts read them)
     demonstrate: Optional[Callable] = None
+    # task -> its reference solution (judges.items.SolutionReference) for the reference-guided
+    # step judge, or None: the math tasks have them
+    solution_reference: Optional[Callable] = None
 
 
 # The arithmetic and tool-world tasks are generated: past this many a run builds tasks for
@@ -108,6 +111,7 @@ def build_suite(config, split: str | None = None, local_model=None) -> TaskSuite
             suite = TaskSuite(tasks, _tagged_env(config, search_index=None, examples=examples),
                               lambda task, traj: rules.gsm8k_outcome(traj.final_answer, task.reference))
         suite.demonstrate = _math_demonstrations(problems, config.env.format)
+        suite.solution_reference = _solution_references(problems)
         return suite
     if config.env.format in ("code", "code_turns", "flow"):
         raise ConfigError(f"config.env.format: the {config.env.format} format runs the math tasks (arithmetic, "
@@ -195,6 +199,19 @@ def _math_demonstrations(problems: list, env_format: str) -> Optional[Callable]:
             return None
 
     return demonstrate
+
+
+def _solution_references(problems: list) -> Callable:
+    """task -> the `SolutionReference` of its problem (every gold quantity, the answer)."""
+    from steprl_jax.judges.items import SolutionReference
+
+    by_id = {task.id: (task, problem) for task, problem in problems}
+
+    def reference(task: Task):
+        task, problem = by_id[task.id]
+        return SolutionReference(problem.solution_quantities(), task.reference)
+
+    return reference
 
 
 def sandbox_settings(config):

@@ -73,7 +73,7 @@ MULTI_PROCESS_STAGES = ("train", "sft")  # the stages that run across processes 
 class JudgeSettings:
     batch_size: int  # trajectories per judging call
     samples_from_policy: bool  # a "local" outcome or process judge: it samples from the policy
-    judging: Callable  # (outcome_rule=, local_model=) -> judges.judging.Judging, built when the stage runs
+    judging: Callable  # (outcome_rule=, local_model=, solution_reference=) -> Judging, built when the stage runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -409,7 +409,8 @@ def judge(settings: SwirlSettings, model, tokenizer, suite=None) -> dict:
     tasks = {t.id: t for t in suite.tasks}
     if settings.judge.samples_from_policy:
         model = _sampling_copy(settings, model)
-    judging = settings.judge.judging(outcome_rule=suite.outcome_rule, local_model=(model, tokenizer))
+    judging = settings.judge.judging(outcome_rule=suite.outcome_rule, local_model=(model, tokenizer),
+                                     solution_reference=suite.solution_reference)
     out_store = RecordStore(settings.path("judged.jsonl"))
     done = out_store.done_ids()
     todo = [r for r in RecordStore(source, vocab_size=_vocab_size(model)) if isinstance(r, Trajectory)

@@ -42,6 +42,11 @@ class ArithmeticProblem:
             python_printed(e)
         return flow_planner_demonstration(self.question, list(self.steps), tool_name)
 
+    def solution_quantities(self) -> tuple[str, ...]:
+        """The value of every gold step, in order (the last is the answer): what a reference-guided
+        step judge accepts a calculator step for computing."""
+        return tuple(calculate(e) for e in self.steps)
+
 
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
               ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}

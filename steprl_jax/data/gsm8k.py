@@ -52,6 +52,19 @@ class GSM8KProblem:
             python_printed(e)
         return flow_planner_demonstration(self.question, expressions, tool_name)
 
+    def solution_quantities(self) -> tuple[str, ...]:
+        """Every quantity the reference solution computes: each `<<expression=value>>`'s annotated
+        value, and our calculator's exact value where the two differ (`<<10/3=3.33>>`), then the
+        final answer."""
+        out = []
+        for expression, value in self.steps:
+            out.append(value)
+            try:
+                out.append(calculate(expression))
+            except ToolError:  # not plain arithmetic: the annotation alone
+                pass
+        return tuple(dict.fromkeys(out + [self.answer]))
+
 
 def parse_gsm8k_record(record, where: str) -> GSM8KProblem:
     question = require(record, "question", str, where)

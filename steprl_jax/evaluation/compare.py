@@ -38,7 +38,8 @@ from steprl_jax.evaluation.stats import diff_cell, paired_diff_ci
 from steprl_jax.io import save_figure_atomic, write_json_atomic, write_text_atomic
 from steprl_jax.training.metrics_log import read_metrics
 
-TITLES = {"accuracy": "accuracy", "process_correctness": "process correctness", "mean_actions": "actions / episode",
+TITLES = {"accuracy": "accuracy", "process_correctness": "process correctness",
+          "reference_process_correctness": "process correctness (reference judge)", "mean_actions": "actions / episode",
           "tool_steps": "mean tool-call steps", "unanswerable": "unanswerable rate",
           "format_reward": "mean format reward / step"}
 _EVAL_FILE = re.compile(r"iter_(\d{5})\.metrics\.json")
@@ -272,7 +273,7 @@ def training_curves_png(workdir: str, results: dict, path: str) -> None:
             ax.legend(fontsize=7)
     ax = axes[-1]
     last = {stage: rows[-1]["step"] for stage, rows in logs.items() if rows}
-    for m in CI_METRICS[:2]:
+    for m in ("accuracy", "process_correctness"):
         xs, ys, errs = [], [], []
         for name, metrics in results.items():
             ci = metrics["ci"][m]

@@ -35,24 +35,28 @@ def trajectory_metrics(trajectories: Sequence[Trajectory]) -> dict:
 
 # Per-episode (numerator, denominator) of the metrics reported with confidence intervals.
 def episode_terms(t: Trajectory) -> dict:
-    """accuracy (outcome 'true'), process_correctness (GOOD share of judged steps), mean_actions,
-    and PORTool's metrics: tool_steps (steps that parsed to at least one tool call, response_gen
+    """accuracy (outcome 'true'), process_correctness (GOOD share of judged steps),
+    reference_process_correctness (the same under the reference-guided step judge, where the tasks
+    have reference solutions: `judges.judging`), mean_actions, and PORTool's metrics: tool_steps (steps that parsed to at least one tool call, response_gen
     included), unanswerable (the episode never called response_gen: termination is not
     'answer'), format_reward (R_fm = c * (2 * passed - 1) per step, c = 0.25, steps with checks)."""
     from steprl_jax.tools.formats import formatting_reward
 
-    labels = [v.get("label") for v in t.judgements.get("process", [])]
-    judged = [x for x in labels if x in ("GOOD", "BAD")]
+    def good_of_judged(key: str) -> tuple[float, float]:
+        judged = [x for x in (v.get("label") for v in t.judgements.get(key, [])) if x in ("GOOD", "BAD")]
+        return float(judged.count("GOOD")), float(len(judged))
+
     checked = [s for s in t.steps if s.format_checks]
     return {"accuracy": (float(t.judgements.get("outcome", {}).get("label") == "true"), 1.0),
-            "process_correctness": (float(judged.count("GOOD")), float(len(judged))),
+            "process_correctness": good_of_judged("process"),
+            "reference_process_correctness": good_of_judged("reference_process"),
             "mean_actions": (float(len(t.steps)), 1.0),
             "tool_steps": (float(sum(1 for s in t.steps if s.tool_calls or s.kind == "answer")), 1.0),
             "unanswerable": (float(t.termination != "answer"), 1.0),
             "format_reward": (float(sum(formatting_reward(s.format_checks) for s in checked)), float(len(checked)))}
 
 
-CI_METRICS = ("accuracy", "process_correctness", "mean_actions")  # SWiRL's table
+CI_METRICS = ("accuracy", "process_correctness", "reference_process_correctness", "mean_actions")  # SWiRL's
 PAPER_METRICS = ("accuracy", "tool_steps", "unanswerable", "format_reward")  # PORTool's table
 _ALL = CI_METRICS + PAPER_METRICS[1:]
 

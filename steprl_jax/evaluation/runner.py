@@ -50,7 +50,8 @@ def evaluate(config, model_and_tokenizer=None, *, split: Optional[str] = None, o
     if sampler is None:
         sampler = Sampler(model, tokenizer, max_context=int(config.rollout.max_context))
     engine = RolloutEngine(sampler, tokenizer, suite.env, rollout_config(config), seed=int(config.seed))
-    judging = Judging.from_config(config, outcome_rule=suite.outcome_rule, local_model=(model, tokenizer))
+    judging = Judging.from_config(config, outcome_rule=suite.outcome_rule, local_model=(model, tokenizer),
+                                  solution_reference=suite.solution_reference)
     store = RecordStore(os.path.join(out_dir, f"{name}trajectories.jsonl"))
     done = store.done_ids()
     tasks_by_id = {t.id: t for t in suite.tasks}

@@ -24,6 +24,15 @@ class StepItem:
 
 
 @dataclasses.dataclass(frozen=True)
+class SolutionReference:
+    """A correct solution as a reference-guided step judge sees it: every quantity it computes, in
+    order, and the final answer (`rules.judge_step_against_solution`)."""
+
+    quantities: tuple[str, ...]
+    answer: str
+
+
+@dataclasses.dataclass(frozen=True)
 class OutcomeItem:
     question: str
     predicted: str | None  # None when the agent gave no final answer

@@ -2,6 +2,7 @@
 
     RuleProcessJudge().judge_steps(items) / RuleOutcomeJudge("gsm8k").judge(items) /
     RuleTrajectoryJudge("toolworld").judge(items)  -> list[Verdict]
+    ReferenceProcessJudge().judge([(step_item, solution_reference), ...])
 
 Outcome rules by name (`OUTCOME_RULES`): gsm8k, hotpotqa, toolworld, math_verify (ToRL's check).
 
@@ -13,7 +14,7 @@ import re
 from typing import Any, Sequence
 
 from steprl_jax.judges import rules
-from steprl_jax.judges.items import OutcomeItem, StepItem, TrajectoryItem
+from steprl_jax.judges.items import OutcomeItem, SolutionReference, StepItem, TrajectoryItem
 from steprl_jax.judges.model_judges import JudgeStats
 from steprl_jax.judges.prompts import render_history
 from steprl_jax.judges.verdicts import (FAILED_NO_REFERENCE, OUTCOME_REWARDS, PROCESS_REWARDS, TRAJECTORY_REWARDS,
@@ -56,6 +57,21 @@ class RuleProcessJudge(_RuleJudge):
 
     def judge_steps(self, items: Sequence[StepItem]) -> list[Verdict]:
         return self.judge(items)
+
+
+class ReferenceProcessJudge(_RuleJudge):
+    """GOOD/BAD for a SWiRL tag action against a correct solution: items are (StepItem,
+    SolutionReference) pairs (`rules.judge_step_against_solution`).
+
+    It sees the golden solution, so it measures (a stand-in for a strong LLM judge in experiments)
+    and is never SWiRL's filter by default: `judge.process.kind=reference` opts in."""
+
+    def _decide(self, item: tuple[StepItem, SolutionReference]) -> Verdict:
+        step, reference = item
+        action = parse_tagged_action(step.action)
+        kind = action.kind if "unclosed_tag" not in action.problems else None
+        decision = rules.judge_step_against_solution(kind, action.content, reference.quantities, reference.answer)
+        return _decided(decision.verdict, PROCESS_REWARDS, decision.reasons)
 
 
 def _hotpotqa(predicted, reference, tool_failed, partial_f1, rel_tol) -> str:

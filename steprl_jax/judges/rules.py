@@ -216,3 +216,44 @@ def judge_step(question: str, context: str, action_kind: str | None, action_cont
     else:
         reasons.append(f"unknown action type {action_kind!r}")
     return ProcessVerdict(BAD if reasons else GOOD, tuple(reasons))
+
+
+# ------------------------------------------------------------------ reference-guided process judge
+# A quantity matches a solution's when equal within this relative tolerance: solutions write
+# rounded decimals (`3.3333333333` for 10/3).
+QUANTITY_REL_TOL = Fraction(1, 10**6)
+
+
+def _same_quantity(value: Fraction, quantity: Fraction) -> bool:
+    return abs(value - quantity) <= QUANTITY_REL_TOL * max(Fraction(1), abs(quantity))
+
+
+def judge_step_against_solution(action_kind: str | None, action_content: str | None, quantities: Sequence[str],
+                                answer: str) -> ProcessVerdict:
+    """GOOD/BAD for one SWiRL math action, seeing a correct solution: its `quantities` (every value
+    it computes, e.g. GSM8K's `<<48/2=24>>` values) and its final `answer`.
+
+    * math: the expression evaluates and its value is one of the solution's quantities or the
+      answer (a step that skips ahead to the answer in one expression is reasonable).
+    * answer: its number equals the answer (`gsm8k_outcome`).
+    * anything else (a search, no parsable action): BAD.
+
+    A judge with the golden solution in hand, for measuring (a stand-in for a strong LLM judge);
+    `judge_step` is the one that sees no answer."""
+    content = (action_content or "").strip()
+    if action_kind is None or not content:
+        return ProcessVerdict(BAD, ("no well-formed action",))
+    if action_kind == "answer":
+        if gsm8k_outcome(content, answer) == TRUE:
+            return ProcessVerdict(GOOD, ())
+        return ProcessVerdict(BAD, (f"the answer is not the solution's {answer}",))
+    if action_kind != "math":
+        return ProcessVerdict(BAD, (f"a {action_kind} action has no place in a math solution",))
+    try:
+        value = evaluate(content)
+    except ToolError as err:
+        return ProcessVerdict(BAD, (f"invalid expression: {err.message}",))
+    known = [n for q in (*quantities, answer) if (n := extract_number(str(q))) is not None]
+    if any(_same_quantity(value, q) for q in known):
+        return ProcessVerdict(GOOD, ())
+    return ProcessVerdict(BAD, (f"computes {float(value):g}, no quantity of the solution",))
