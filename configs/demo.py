@@ -18,7 +18,9 @@ def get_config(arg=None):
     # name: arithmetic (built in) | gsm8k | hotpotqa | toolworld
     # latency_min_s / latency_max_s: the tool world's calls each take a duration drawn from this
     # range (a service's response time, e.g. for benchmarks of asynchronous rollouts).
-    c.task = ConfigDict(dict(name="arithmetic", path="", split="test", num_tasks=16, offset=0, world_seed=0,
+    # seed: the generated tasks' (the built-in arithmetic problems, the tool world's query splits),
+    # not the run's: runs of several seeds train and evaluate on the same questions.
+    c.task = ConfigDict(dict(name="arithmetic", path="", split="test", num_tasks=16, offset=0, seed=0, world_seed=0,
                              failure_rate=0.0, latency_min_s=0.0, latency_max_s=0.0, corpus_path="",
                              search_top_k=1))
     # format: tags (SWiRL) | tool_call (PORTool); tools for the tag format.

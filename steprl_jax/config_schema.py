@@ -150,6 +150,7 @@ FIELDS: dict[str, Field] = {
     "task.split": text("train", "test", "test_held_out", jobs=EVALUATE),
     "task.num_tasks": integer(1),
     "task.offset": integer(0),
+    "task.seed": integer(0, optional=True, note="the generated tasks' seed (arithmetic, toolworld), not the run's"),
     "task.splits": flag(optional=True),  # arithmetic: disjoint built-in train / test splits
     "task.eval_path": text(jobs=TRAINING, optional=True, note="'': task.path"),
     "task.eval_offset": integer(0, jobs=TRAINING, optional=True),

@@ -40,7 +40,8 @@ def _evaluate(config) -> dict:
     check_manifest(config.workdir, {
         "job": "evaluate", "model.source": config.model.source, "task.name": config.task.name,
         "task.path": config.task.path, "task.split": config.task.get("split", ""),
-        "task.offset": int(config.task.offset), "seed": int(config.seed), "env.format": config.env.format,
+        "task.offset": int(config.task.offset), "task.seed": int(config.task.get("seed", 0)), "seed": int(config.seed),
+        "env.format": config.env.format,
         "env.few_shot": int(config.env.get("few_shot", 0)), "judge.outcome.kind": config.judge.outcome.kind,
         "judge.process.kind": config.judge.process.kind, "rollout.temperature": float(r.temperature),
         "rollout.top_k": int(r.top_k), "rollout.top_p": float(r.top_p), "rollout.max_steps": int(r.max_steps),

@@ -104,3 +104,23 @@ def test_bad_rows_are_named(tmp_path):
         seeds.read_row(str(tmp_path / "plain.json"), [0])
     with pytest.raises(SystemExit):
         seeds.main(["--seeds", "0", "--row", "no-equals-sign", "--out", str(tmp_path / "t")])
+
+
+@pytest.mark.parametrize("config_name", ["swirl_arithmetic", "portool_toolworld"])
+def test_every_seed_of_a_run_sees_the_same_generated_questions(config_name):
+    """The run's seed varies training, never the generated held-out questions (task.seed does,
+    and gives them other ids: two question sets never pair by id)."""
+    import importlib
+
+    from steprl_jax.agents.tasks import build_suite
+
+    def held_out(seed=0, task_seed=0):
+        config = importlib.import_module(f"configs.{config_name}").get_config()
+        config.seed, config.task.seed = seed, task_seed
+        return [(t.id, t.question) for t in build_suite(config, split="test").tasks[:8]]
+
+    same = held_out()
+    assert held_out(seed=1) == same
+    other = held_out(task_seed=1)
+    assert not {i for i, _ in other} & {i for i, _ in same}
+    assert [q for _, q in other] != [q for _, q in same]

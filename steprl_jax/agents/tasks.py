@@ -69,6 +69,12 @@ def _select(items, config, source: str):
     return items[offset:offset + count]
 
 
+def task_seed(config) -> int:
+    """The seed of the generated tasks, `task.seed` (0 where a config predates it): never the
+    run's `seed`, so that every seed of an experiment is evaluated on the same questions."""
+    return int(config.task.get("seed", 0))
+
+
 def split_config(config, split: str):
     """`config` with `task` set for `split`: "train" is `task` itself; "test" (held-out
     evaluation) takes `task.eval_path`, `task.eval_offset` and `task.eval_num_tasks` where set."""
@@ -164,9 +170,9 @@ def _math_problems(config) -> list[tuple[Task, object]]:
         from steprl_jax.data.arithmetic import arithmetic_problems, arithmetic_split
 
         n = _generated(config, "arithmetic")
-        problems = (arithmetic_split(config.task.split, n, seed=int(config.seed))
+        problems = (arithmetic_split(config.task.split, n, seed=task_seed(config))
                     if config.task.split in ("train", "test") and config.task.get("splits", False)
-                    else arithmetic_problems(n, seed=config.seed))
+                    else arithmetic_problems(n, seed=task_seed(config)))
         return [(Task(p.id, p.question, p.answer), p) for p in _select(problems, config, "the built-in arithmetic set")]
     from steprl_jax.data.gsm8k import load_gsm8k
 
@@ -348,7 +354,7 @@ def _toolworld_data(config):
     # The test split excludes every question of a fixed train pool, whatever this split's size:
     # question texts repeat across contexts, and a test set sized by its own count would exclude
     # only that many train questions (21 of 64 test questions were train questions 65-1024).
-    splits = make_splits(int(config.task.world_seed), max(n, TRAIN_POOL), n, seed=int(config.seed))
+    splits = make_splits(int(config.task.world_seed), max(n, TRAIN_POOL), n, seed=task_seed(config))
     if config.task.split not in splits:
         raise ConfigError(f"config.task.split: {config.task.split!r} is not one of {sorted(splits)}")
     if config.task.split == "test_held_out":  # the held-out templates' share of n test queries: fewer than n

@@ -138,7 +138,8 @@ def run(config, model_and_tokenizer=None) -> dict:
     check_manifest(config.workdir, {
         "job": "rl", "algorithm": settings.algorithm.name, "model.source": config.model.source,
         "task.name": config.task.name, "task.num_tasks": int(config.task.num_tasks),
-        "task.offset": int(config.task.offset), "seed": int(config.seed), "n": int(config.rollout.tree.n),
+        "task.offset": int(config.task.offset), "task.seed": int(config.task.get("seed", 0)), "seed": int(config.seed),
+        "n": int(config.rollout.tree.n),
         "rollout.max_steps": int(config.rollout.max_steps), "warm_start.source": config.rl.warm_start.source,
         "warm_start.updates": int(config.rl.warm_start.updates), **lora_fields(config)})
     # With config.mesh the policy loads straight onto the trainer's mesh (training/distributed.py).

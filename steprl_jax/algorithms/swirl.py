@@ -185,7 +185,7 @@ def _check_config(config) -> None:
 def _manifest(config) -> dict:
     return {"job": "swirl", "model.source": config.model.source, "task.name": config.task.name,
             "task.path": config.task.path, "task.num_tasks": int(config.task.num_tasks),
-            "task.offset": int(config.task.offset), "seed": int(config.seed),
+            "task.offset": int(config.task.offset), "task.seed": int(config.task.get("seed", 0)), "seed": int(config.seed),
             "swirl.samples_per_question": int(config.swirl.samples_per_question),
             "rollout.max_steps": int(config.rollout.max_steps), **lora_fields(config)}
 

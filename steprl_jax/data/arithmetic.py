@@ -139,4 +139,5 @@ def arithmetic_split(split: str, n: int, seed: int = 0) -> list[ArithmeticProble
         max(4 * n, 256), seed=_SPLIT_SEEDS[other] + seed, templates=TRAIN_TEMPLATES if other == "train" else None)}
     pool = arithmetic_problems(4 * n + 64, seed=_SPLIT_SEEDS[split] + seed, templates=templates)
     kept = [p for p in pool if p.question not in excluded][:n]
-    return [dataclasses.replace(p, id=f"arith-{split}-{i}") for i, p in enumerate(kept)]
+    # another seed's problems get other ids: results of two problem sets never pair by id
+    return [dataclasses.replace(p, id=f"arith-{split}-{i}" + (f"-s{seed}" if seed else "")) for i, p in enumerate(kept)]

@@ -465,7 +465,8 @@ def generate_queries(world: World, count: int, seed: int, split: str = "train",
         if key in seen or query.question in exclude_questions:
             continue
         seen.add(key)
-        queries.append(query)
+        # another seed's queries get other ids: results of two query sets never pair by id
+        queries.append(dataclasses.replace(query, id=f"{query.id}-s{seed}") if seed else query)
     return queries
 
 
