@@ -266,3 +266,12 @@ def test_dynamic_sampling_and_batches_without_signal_work_one_version_behind(tmp
     assert rows[0]["groups_dropped"] >= 1 and rows[0]["sampling_rounds"] == 2  # it rolled out more queries
     assert all(r["skipped"] == 1.0 for r in rows)  # every kept group all false: nothing to learn
     assert all(np.array_equal(a, b) for a, b in zip(before, after))
+
+
+def test_the_benchmarks_overlap_bound_is_what_perfect_overlap_of_the_sync_phases_gives():
+    from steprl_jax.benchmarks.async_rl import overlap_bound
+
+    # iteration 1 is not timed; then rollout 100 s + train 50 s, and rollout 60 s + train 60 s:
+    # (150 + 120) s in turn against (100 + 60) s overlapped
+    sync = {"rollout_s": [500.0, 100.0, 60.0], "train_s": [9.0, 50.0, 60.0]}
+    assert overlap_bound(sync) == pytest.approx(270 / 160)
