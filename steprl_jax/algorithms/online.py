@@ -381,11 +381,14 @@ class OnlineLoop:
                 break
             tasks = items_at(self.tasks, cursor, need, self.seed)
             cursor += need
-            t0 = time.perf_counter()
+            t0, before = time.perf_counter(), self.engine.stats.to_json()
             local = self.rollout(tasks, iteration, round_)  # this process's share, judged here
             t1 = time.perf_counter()
             self.judge(local)
             counts["rollout_s"] += t1 - t0
+            for name, value in self.engine.stats.to_json().items():  # where the rollout's time went
+                if name.endswith("_s"):
+                    counts[f"rollout_{name}"] += value - before[name]
             counts["judge_s"] += time.perf_counter() - t1
             counts["sampling_rounds"] += 1
             mine += local

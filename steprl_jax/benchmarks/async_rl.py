@@ -96,6 +96,10 @@ def run_one(args, method: str, staleness: int, source: str, judge_url: str) -> d
             # where the time went: sampling and judging, training, the learner waiting for data
             "rollout_s": [row.get("rollout_s", 0.0) + row.get("judge_s", 0.0) for row in rows],
             "train_s": [row.get("train_s", 0.0) for row in rows], "wait_s": [row.get("wait_s") for row in rows],
+            # inside the rollouts, over the timed iterations: prefill, append, decode, tool waits
+            "rollout_parts_s": {name[len("rollout_"):]: sum(row.get(name, 0.0) for row in rows[1:])
+                                for name in ("rollout_prefill_s", "rollout_append_s", "rollout_generate_s",
+                                             "rollout_tool_wait_s")},
             "reward_mean": [row.get("reward_mean") for row in rows],
             "is_weight_mean": [row.get("is_weight_mean") for row in rows],
             "accuracy": metrics["ci"]["accuracy"], "per_question": metrics["ci"].get("per_question", {})}
