@@ -382,10 +382,10 @@ def test_generation_past_its_deadline_answers_504_and_frees_its_slot(server, lim
     assert engine.complete(USER, max_tokens=2, temperature=0, timeout=120)[0].completion_tokens == 2
     in_flight = lambda: call(limited.url.removesuffix("/v1") + "/health")[1]["in_flight"]  # noqa: E731
     # Greedy: ~1500 tokens without an end of turn, far more than the limited server's 1 s allows.
-    started = time.monotonic()
+    # 504 (not 200) is the proof that the deadline cut the generation short; no wall-clock bound
     status, reply = call(limited.url + "/chat/completions",
                          {"model": "tiny", "messages": USER, "max_tokens": 1500, "temperature": 0})
-    assert status == 504 and time.monotonic() - started < 30
+    assert status == 504
     assert reply == {"error": {"message": "the request did not finish within 1.0 s", "type": "server_error",
                                "param": None, "code": "timeout"}}
     wait_for(lambda: in_flight() == 0)
@@ -406,17 +406,20 @@ def test_slow_and_oversized_requests(limited):
         while chunk := sock.recv(4096):
             reply += chunk
         assert reply.startswith(b"HTTP/1.1 408") and b"request_timeout" in reply
-    # A body that trickles in (a byte every 0.1 s: 9 s for all of it) is cut off too.
+    # A body that trickles in (a byte every 0.1 s: 9 s for all of it) is cut off too: the server
+    # closes before the body is complete, counted in bytes sent, not in seconds.
+    missing = 100 - len(head.split(b"\r\n\r\n", 1)[1])
     with socket.create_connection((host, port), timeout=10) as sock:
         sock.sendall(head)
         sock.settimeout(0.1)
-        started, reply = time.monotonic(), b""
-        while time.monotonic() - started < 10:
+        sent, reply = 0, b""
+        while sent < 2 * missing:  # past the body's end only if the server never cut us off
             try:
                 chunk = sock.recv(4096)
             except socket.timeout:
                 try:
                     sock.sendall(b" ")
+                    sent += 1
                 except OSError:
                     break
                 continue
@@ -425,7 +428,7 @@ def test_slow_and_oversized_requests(limited):
             if not chunk:
                 break
             reply += chunk
-        assert time.monotonic() - started < 5
+        assert sent < missing, f"the server read the whole trickled body ({sent} of {missing} bytes)"
         assert reply == b"" or reply.startswith(b"HTTP/1.1 408")
     # An idle connection is closed after the client timeout.
     with socket.create_connection((host, port), timeout=10) as sock:
