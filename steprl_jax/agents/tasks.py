@@ -211,11 +211,10 @@ def _solution_references(problems: list) -> Callable:
     """task -> the `SolutionReference` of its problem (every gold quantity, the answer)."""
     from steprl_jax.judges.items import SolutionReference
 
-    by_id = {task.id: (task, problem) for task, problem in problems}
+    by_id = {task.id: problem for task, problem in problems}
 
     def reference(task: Task):
-        task, problem = by_id[task.id]
-        return SolutionReference(problem.solution_quantities(), task.reference)
+        return SolutionReference(by_id[task.id].solution_quantities(), task.reference)
 
     return reference
 

@@ -52,7 +52,7 @@ def _paired(before: dict, after: dict, metrics: Sequence[str]) -> dict:
             for m in metrics}
 
 
-def _markdown(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list:
+def markdown_rows(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list:
     return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
             *("| " + " | ".join(cells) + " |" for cells in rows)]
 
@@ -163,7 +163,7 @@ def _series(cis: Sequence[dict], key: str) -> list:
 def markdown_table(rows: Sequence[dict]) -> str:
     head = ["method", "iterations", *(TITLES[m] for m in PAPER_METRICS)]
     cells = [[row["method"], str(row["iterations"]), *(_cell(row[m]) for m in PAPER_METRICS)] for row in rows]
-    return "\n".join(_markdown(head, cells)) + "\n"
+    return "\n".join(markdown_rows(head, cells)) + "\n"
 
 
 def paired_table(rows: Sequence[dict], key: str = "vs_warm_start",
@@ -177,7 +177,7 @@ def paired_table(rows: Sequence[dict], key: str = "vs_warm_start",
     cells = [[row["method"], str(max(d["n"] for d in row[key].values() if d)),
               *(diff_cell(row[key][m], " *") for m in PAPER_METRICS)] for row in paired]
     lines = [f"{title} on the same questions (paired bootstrap, 95%; * the interval excludes 0):", "",
-             *_markdown(head, cells)]
+             *markdown_rows(head, cells)]
     return "\n".join(lines) + "\n"
 
 
@@ -229,12 +229,12 @@ def policy_comparison(results: dict) -> dict:
 
 def policy_markdown(table: dict) -> str:
     head = ["policy", "episodes", *(TITLES[m] for m in CI_METRICS)]
-    lines = _markdown(head, [[name, str(row["episodes"]), *(_fmt(row[m], pct=m != "mean_actions") for m in CI_METRICS)]
+    lines = markdown_rows(head, [[name, str(row["episodes"]), *(_fmt(row[m], pct=m != "mean_actions") for m in CI_METRICS)]
                              for name, row in table.items()])
     diffs = [(n, r["diff_vs_base"]) for n, r in table.items() if "diff_vs_base" in r]
     if diffs:
         lines += ["", "Paired difference from base on the same held-out questions (95% bootstrap interval):", "",
-                  *_markdown(["policy", *(TITLES[m] for m in CI_METRICS)],
+                  *markdown_rows(["policy", *(TITLES[m] for m in CI_METRICS)],
                              [[name, *(diff_cell(d[m], " (excludes 0)") for m in CI_METRICS)] for name, d in diffs])]
     return "\n".join(lines) + "\n"
 

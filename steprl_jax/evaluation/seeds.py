@@ -164,19 +164,18 @@ def table_markdown(table: Mapping[str, dict], metrics: Sequence[str], titles: Ma
                    reference: Optional[str] = None, percent: Sequence[str] = ()) -> str:
     """Values (percent for `percent` metrics) with their intervals and per-seed values, then each
     row's paired difference from `reference`."""
-    head = ["policy", "seeds", *(titles.get(m, m) for m in metrics)]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name, row in table.items():
-        lines.append("| " + " | ".join([name, str(len(row["seeds"])),
-                                        *(_cell(row[m], m in percent) for m in metrics)]) + " |")
+    from steprl_jax.evaluation.compare import markdown_rows
+
+    titles_ = [titles.get(m, m) for m in metrics]
+    lines = markdown_rows(["policy", "seeds", *titles_],
+                          [[name, str(len(row["seeds"])), *(_cell(row[m], m in percent) for m in metrics)]
+                           for name, row in table.items()])
     diffs = [(name, row["diff"]) for name, row in table.items() if "diff" in row]
     if diffs:
         lines += ["", f"Paired difference from {reference} (same questions, same seeds; 95% interval over "
                   "questions and seeds; * excludes 0):", "",
-                  "| " + " | ".join(["policy", *(titles.get(m, m) for m in metrics)]) + " |",
-                  "|" + "---|" * (len(metrics) + 1)]
-        for name, diff in diffs:
-            lines.append("| " + " | ".join([name, *(diff_cell(diff[m], " *") for m in metrics)]) + " |")
+                  *markdown_rows(["policy", *titles_], [[name, *(diff_cell(d[m], " *") for m in metrics)]
+                                                        for name, d in diffs])]
     return "\n".join(lines) + "\n"
 
 

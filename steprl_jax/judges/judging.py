@@ -23,7 +23,7 @@ import os
 from typing import Any, Callable, Optional, Sequence
 
 from steprl_jax.judges import rules
-from steprl_jax.judges.items import outcome_item, step_items, trajectory_item
+from steprl_jax.judges.items import StepItem, outcome_item, step_items, trajectory_item
 
 FAILED = "failed"
 # YES/NO of the model outcome judge read as PORTool's verdicts.
@@ -126,7 +126,9 @@ class Judging:
         out = []
         for task, trajectory in pairs:
             reference = self.solution_reference(task)
-            items = [(item, reference) for item in step_items(trajectory)] if reference is not None else []
+            # it reads each action alone: no step needs the history rendered
+            items = [] if reference is None else \
+                [(StepItem(trajectory.question, (), step.action_text), reference) for step in trajectory.steps]
             out.append([{**v.to_json(), "label": v.label, "judge": "reference"}
                         for v in self.reference_judge.judge(items)])
         return out
