@@ -2,6 +2,7 @@
 the off-policy correction's weights and update, the driver at staleness 0 against the synchronous
 loop bit for bit, stale work dropped and counted, and in-flight weight pushes. The killed and
 resumed asynchronous run is in test_rl_resume.py."""
+import dataclasses
 import json
 
 import jax
@@ -134,6 +135,31 @@ def test_on_fresh_data_the_corrected_update_is_the_plain_one_and_stale_data_is_r
     assert m["is_weight_mean"] == pytest.approx(2.0) and m["is_truncated"] == 1.0
     assert m["is_weight_max"] == pytest.approx(4.0, rel=1e-4)
     assert m["first_ratio"] == pytest.approx(1.0, abs=1e-6)  # the clip's reference is the proximal policy
+
+
+@pytest.mark.parametrize("minibatches", [1, 2])
+def test_the_first_step_reads_the_proximal_policy_from_its_own_forward_pass(tokenizer, tmp_path, minibatches):
+    """The fused first step (LossConfig.proximal_cap) makes the update a separate log-prob pass
+    makes (test_train_step's pass is another program: equal to float32 rounding), with the same
+    weights' metrics; with two minibatches the second is corrected by the separate pass."""
+    def stale(k, prompt, action):  # around the tiny model's log-probs (~ -log vocab): some weights past the cap
+        return [-8.0 - 1.0 * ((i + k) % 7) for i in range(len(action))]
+
+    runs = {}
+    for fused in (True, False):
+        learner = _learner(tokenizer, tmp_path / f"{minibatches}{fused}", 2.0)
+        learner.settings = dataclasses.replace(learner.settings, minibatches=minibatches)
+        assert learner.proximal_step_fn is not None
+        if not fused:
+            learner.proximal_step_fn = None
+        runs[fused] = learner.update(_rows(tokenizer, stale) * 2), learner.state.params
+    (m_fused, p_fused), (m_plain, p_plain) = runs[True], runs[False]
+    assert m_fused["first_ratio"] == 1.0  # exactly: the clip's reference is the step's own log-prob
+    for key in ("is_weight_mean", "is_weight_max", "is_truncated", "loss", "first_clipfrac"):
+        assert m_fused[key] == pytest.approx(m_plain[key], rel=1e-4, abs=1e-6), key
+    assert 0.0 < m_fused["is_truncated"] < 1.0
+    for a, b in zip(jax.tree.leaves(p_fused), jax.tree.leaves(p_plain)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
 
 # ------------------------------------------------------------------ the driver

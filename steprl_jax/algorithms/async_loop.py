@@ -20,9 +20,11 @@ tree past k (counted: `stale_dropped`; it happens after resuming with a smaller 
 Off-policy correction (`is_cap` > 0): decoupled PPO (training/learner.py `behaviour_cap`): the
 clip's reference is the learner's policy as the update starts (its log-probs recomputed), and
 each token's loss is weighted by min(pi_prox / pi_behaviour, is_cap), pi_behaviour being the
-sampler's recorded log-prob. Of the peers' choices (AReaL's decoupled loss, verl's rollout_is,
-Tunix's sampler_is: the same weight, token level, detached, capped at 2 by default in the last
-two) this keeps the trust region around a policy the learner holds, whatever version sampled the
+sampler's recorded log-prob. An update's first step reads the proximal log-probs from its own
+forward pass (its parameters are the proximal policy), so a one-minibatch update costs no extra
+log-prob pass; later minibatches get them from one pass each before the first step. Of the
+peers' choices (AReaL's decoupled loss, verl's rollout_is, Tunix's sampler_is: the same weight,
+token level, detached, capped at 2 by default in the last two) this keeps the trust region around a policy the learner holds, whatever version sampled the
 data, and on fresh data it is the plain surrogate (weights 1, first ratio 1).
 
 Evaluation happens on the rollout thread, before the iteration it precedes, with the version the

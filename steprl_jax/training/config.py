@@ -27,6 +27,11 @@ class LossConfig:
       float32 logits fit a 256 MiB budget (`ops.logprobs.auto_chunk_size`), at most a quarter
       of the row. Only the loss mask's positions are projected onto the vocabulary: a chunk
       past every row's count of them is skipped.
+    proximal_cap: decoupled PPO with the step's own forward pass as the proximal policy: the
+      clip's reference is that pass's detached log-prob, and each token is weighted by
+      min(pi_prox / pi_behaviour, cap), `batch.old_logp` holding the behaviour log-probs. Right
+      only for an update's first step (its parameters are the proximal policy); it saves the
+      separate log-prob pass (training/learner.py `train_on_rows`).
     """
     kind: str = "policy"
     agg: str = "token_mean"
@@ -39,8 +44,11 @@ class LossConfig:
     entropy_coef: float = 0.0
     temperature: float = 1.0
     logprob_chunk: Optional[int] = None
+    proximal_cap: Optional[float] = None
 
     def __post_init__(self):
+        if self.proximal_cap is not None and not (self.kind == "policy" and self.proximal_cap > 0):
+            raise ValueError(f"proximal_cap needs the policy loss and a cap > 0, got {self.kind!r}, {self.proximal_cap}")
         if self.kind not in LOSS_KINDS:
             raise ValueError(f"loss kind must be one of {LOSS_KINDS}, got {self.kind!r}")
         if self.agg not in AGG_MODES:

@@ -88,6 +88,14 @@ class Learner:
         self.step_fn = make_train_step(self.graphdef, tx, TrainStepConfig(
             loss=s.loss, num_microbatches=s.num_microbatches, max_microbatch_tokens=s.max_microbatch_tokens,
             remat=s.remat), schedule=lr_schedule(s.optimizer), mesh=self.mesh, state_shardings=shardings)
+        # Off-policy correction: an update's first step takes the proximal log-probs from its own
+        # forward pass (LossConfig.proximal_cap), the other minibatches from `logprob_fn`.
+        self.proximal_step_fn = None
+        if s.behaviour_cap is not None and s.ppo_epochs == 1:
+            self.proximal_step_fn = make_train_step(self.graphdef, tx, TrainStepConfig(
+                loss=dataclasses.replace(s.loss, proximal_cap=s.behaviour_cap), num_microbatches=s.num_microbatches,
+                max_microbatch_tokens=s.max_microbatch_tokens, remat=s.remat), schedule=lr_schedule(s.optimizer),
+                mesh=self.mesh, state_shardings=shardings)
         self.ref_params = self.logprob_fn = None
         if s.loss.kl_coef > 0:  # the reference policy: the initial weights, frozen, in buffers of their own
             if s.lora is not None:
@@ -126,7 +134,7 @@ class Learner:
             num_microbatches=s.num_microbatches, min_rows=s.min_rows, max_length=s.max_length,
             logprob_fn=self.logprob_fn, ref_params=self.ref_params, attention_length=s.attention_length,
             mesh=self.mesh, skip_without_signal=s.skip_without_signal and s.loss.zero_advantages_zero_gradient,
-            behaviour_cap=s.behaviour_cap, where=where)
+            behaviour_cap=s.behaviour_cap, proximal_step_fn=self.proximal_step_fn, where=where)
         return metrics
 
     def policy(self):
@@ -182,7 +190,7 @@ def pack_rows(rows, *, num_microbatches: int = 1, min_rows: int = 0, max_length:
 def train_on_rows(step_fn, state, rows, *, ppo_epochs: int = 1, minibatches: int = 1, num_microbatches: int = 1,
                   min_rows: int = 0, max_length: Optional[int] = None, logprob_fn=None, ref_params=None,
                   attention_length: float = 0.0, mesh=None, skip_without_signal: bool = False,
-                  behaviour_cap: Optional[float] = None, where: str = ""):
+                  behaviour_cap: Optional[float] = None, proximal_step_fn=None, where: str = ""):
     """Pack `rows` (`pack_rows`) and run ppo_epochs x minibatches train steps; returns (state,
     metrics). The loop every algorithm shares (offline and online). With a `mesh` the rows are
     padded to a multiple of its data shards and placed over them (every process holds the same
@@ -190,8 +198,12 @@ def train_on_rows(step_fn, state, rows, *, ppo_epochs: int = 1, minibatches: int
     advantage 0 takes no step (its policy gradient is 0, yet AdamW's momentum and weight decay
     would still move the weights); only where `LossConfig.zero_advantages_zero_gradient`.
     `behaviour_cap`: the off-policy correction (`LearnerSettings.behaviour_cap`; needs `logprob_fn`),
-    the proximal log-probs computed for every minibatch before the first step. A step whose loss, gradient norm or learning rate is not finite raises `NonFiniteError`
-    naming `where` (e.g. "sft update 3"), the train step and the metric."""
+    the proximal log-probs computed for every minibatch before the first step, except that with
+    `proximal_step_fn` (`LossConfig.proximal_cap` set) and one epoch the first step reads them from
+    its own forward pass (the update's starting parameters are the proximal policy): one log-prob
+    pass fewer, and the first ratio exactly 1. A step whose loss, gradient norm or learning rate
+    is not finite raises `NonFiniteError` naming `where` (e.g. "sft update 3"), the train step and
+    the metric."""
     shards = data_shards(mesh)
     host = pack_rows(rows, num_microbatches=num_microbatches * minibatches * shards, min_rows=min_rows,
                      max_length=max_length, attention_length=attention_length)
@@ -211,36 +223,50 @@ def train_on_rows(step_fn, state, rows, *, ppo_epochs: int = 1, minibatches: int
                                                part.positions, part.branch_ids, part.branch_ends, part.key_blocks)
     if ref_params is not None:
         parts = [part.replace(ref_logp=logprobs(ref_params, part)) for part in parts]
+    fused = behaviour_cap is not None and proximal_step_fn is not None and ppo_epochs == 1
+    is_sums = []
     if behaviour_cap is not None:
-        parts, correction = _behaviour_correction(parts, lambda part: logprobs(state.params, part), behaviour_cap)
-        metrics.update(correction)
+        own = 1 if fused else 0  # minibatches whose step computes its own proximal log-probs
+        rest, is_sums = _behaviour_correction(parts[own:], lambda part: logprobs(state.params, part), behaviour_cap)
+        parts = parts[:own] + rest
     t1 = time.perf_counter()
     first_step = int(jax.device_get(state.step))
     step_metrics = []
     for _ in range(ppo_epochs):
         for part in parts:
-            state, m = step_fn(state, part)
+            state, m = (proximal_step_fn if fused and not step_metrics else step_fn)(state, part)
             step_metrics.append(m)
-    step_metrics = jax.device_get(step_metrics)
+    step_metrics, is_sums = jax.device_get((step_metrics, is_sums))
     check_finite(step_metrics, first_step, where)
+    if fused:  # the first step's weights, back to sums
+        first = step_metrics[0]
+        count = first["token_count"]
+        is_sums = [{"is_weight": first.pop("is_weight") * count, "is_truncated": first.pop("is_truncated") * count,
+                    "is_weight_max": first.pop("is_weight_max"), "token_count": count}] + is_sums
+    if is_sums:
+        metrics.update(_is_metrics(is_sums))
     return state, {**_first_and_mean(step_metrics), **metrics, "train_s": time.perf_counter() - t1}
 
 
 def _behaviour_correction(parts, proximal_logprobs, cap: float):
     """Each minibatch with the clip's reference set to the proximal policy's log-probs and its
     tokens weighted by `ops.losses.truncated_is_weights` against the sampler's (behaviour) ones;
-    returns (parts, metrics: the weights' mean and max, the fraction truncated at `cap`)."""
+    returns (parts, each one's weight sums: `_is_metrics`)."""
     out, sums = [], []
     for part in parts:
         proximal = proximal_logprobs(part)
         weights, stats = truncated_is_weights(proximal, part.old_logp, part.loss_mask, cap)
         out.append(part.replace(old_logp=proximal, is_weight=weights))
         sums.append(stats)
-    sums = jax.device_get(sums)
+    return out, sums
+
+
+def _is_metrics(sums: list[dict]) -> dict:
+    """The importance weights' mean and max, and the fraction truncated at the cap, over minibatches."""
     count = max(sum(float(x["token_count"]) for x in sums), 1.0)
-    return out, {"is_weight_mean": sum(float(x["is_weight"]) for x in sums) / count,
-                 "is_weight_max": max(float(x["is_weight_max"]) for x in sums),
-                 "is_truncated": sum(float(x["is_truncated"]) for x in sums) / count}
+    return {"is_weight_mean": sum(float(x["is_weight"]) for x in sums) / count,
+            "is_weight_max": max(float(x["is_weight_max"]) for x in sums),
+            "is_truncated": sum(float(x["is_truncated"]) for x in sums) / count}
 
 
 def check_finite(step_metrics: list[dict], first_step: int, where: str = "") -> None:

@@ -51,9 +51,15 @@ def loss_sums(model, batch: Batch, cfg: LossConfig, remat: Optional[str] = None)
         metrics = {"token_count": jnp.sum(on),
                    "nll": jnp.sum(jnp.where(on > 0, jax.lax.stop_gradient(-logp_bt), 0.0))}
     else:
+        old_logp, is_weight, is_sums = batch.old_logp, batch.is_weight, {}
+        if cfg.proximal_cap is not None:  # this pass is the proximal policy; old_logp the behaviour's
+            old_logp = jax.lax.stop_gradient(logp_bt)
+            is_weight, is_sums = losses.truncated_is_weights(old_logp, batch.old_logp, mask_bt, cfg.proximal_cap)
+            is_sums.pop("token_count")
         total, _, metrics = losses.policy_loss(
-            logp_bt, batch.old_logp, batch.advantages, mask_bt, eps_low=cfg.eps_low,
-            eps_high=cfg.eps_high, dual_clip=cfg.dual_clip, agg=cfg.agg, norm=cfg.norm, is_weight_bt=batch.is_weight)
+            logp_bt, old_logp, batch.advantages, mask_bt, eps_low=cfg.eps_low,
+            eps_high=cfg.eps_high, dual_clip=cfg.dual_clip, agg=cfg.agg, norm=cfg.norm, is_weight_bt=is_weight)
+        metrics.update(is_sums)
     if cfg.kl_coef > 0:
         if batch.ref_logp is None:
             raise ValueError("kl_coef > 0 needs batch.ref_logp (see make_logprob_fn)")
