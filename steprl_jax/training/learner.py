@@ -85,17 +85,15 @@ class Learner:
         self.bridge = distributed.sampler_bridge(spec)
         self.graphdef, self.state, shardings = create_train_state(trainable_copy(model, s.lora, seed), tx, seed=seed,
                                                                   mesh=self.mesh)
-        self.step_fn = make_train_step(self.graphdef, tx, TrainStepConfig(
-            loss=s.loss, num_microbatches=s.num_microbatches, max_microbatch_tokens=s.max_microbatch_tokens,
+        step_for = lambda loss: make_train_step(self.graphdef, tx, TrainStepConfig(  # noqa: E731
+            loss=loss, num_microbatches=s.num_microbatches, max_microbatch_tokens=s.max_microbatch_tokens,
             remat=s.remat), schedule=lr_schedule(s.optimizer), mesh=self.mesh, state_shardings=shardings)
+        self.step_fn = step_for(s.loss)
         # Off-policy correction: an update's first step takes the proximal log-probs from its own
         # forward pass (LossConfig.proximal_cap), the other minibatches from `logprob_fn`.
         self.proximal_step_fn = None
         if s.behaviour_cap is not None and s.ppo_epochs == 1:
-            self.proximal_step_fn = make_train_step(self.graphdef, tx, TrainStepConfig(
-                loss=dataclasses.replace(s.loss, proximal_cap=s.behaviour_cap), num_microbatches=s.num_microbatches,
-                max_microbatch_tokens=s.max_microbatch_tokens, remat=s.remat), schedule=lr_schedule(s.optimizer),
-                mesh=self.mesh, state_shardings=shardings)
+            self.proximal_step_fn = step_for(dataclasses.replace(s.loss, proximal_cap=s.behaviour_cap))
         self.ref_params = self.logprob_fn = None
         if s.loss.kl_coef > 0:  # the reference policy: the initial weights, frozen, in buffers of their own
             if s.lora is not None:
