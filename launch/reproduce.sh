@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The papers' tables at CPU scale, one command each, several seeds (SmolLM2-135M-Instruct):
 #
-#   bash launch/reproduce.sh swirl   [--seeds 0 1 2] [--root runs/reproduce] [-- CONFIG_OVERRIDES ...]
-#   bash launch/reproduce.sh portool [--seeds 0 1 2] [--root runs/reproduce] [-- CONFIG_OVERRIDES ...]
+#   bash launch/reproduce.sh swirl   [--seeds 0 1 2] [--root runs/reproduce] [--results results/reproduce] [-- CONFIG_OVERRIDES ...]
+#   bash launch/reproduce.sh portool [--seeds 0 1 2] [--root runs/reproduce] [--results results/reproduce] [-- CONFIG_OVERRIDES ...]
 #
-# Resumable after any interruption: every run resumes in its own workdir and a finished one is
-# skipped; the tables are written again from whatever has finished (a row reports the seeds it
-# has). The seed varies training only: the held-out questions are the same for every seed
+# Resumable after any interruption: every run resumes in its own workdir (under --root) and a
+# finished one is skipped; what the tables read is kept under --results, a small tree meant to be
+# committed, so that a table can grow over several machines; the tables are written there again
+# from whatever has finished (a row reports the seeds it has). The seed varies training only: the held-out questions are the same for every seed
 # (`task.seed`), so rows pair by question and seed (python -m steprl_jax.evaluation.seeds: each
 # seed's value, the seed mean, 95% intervals over questions and seeds, paired differences).
 #
@@ -17,33 +18,35 @@
 # rule judge (the one SWiRL filters and rewards by) and under the reference-guided step judge
 # (which sees the golden solution: a measure the policy never trains against), actions per
 # episode. Then a curve over the number of trajectories collected (CURVE, default "64 256 1024")
-# for the filter whose SWiRL accuracy is best, and transfer: each task's best SWiRL policy
-# evaluated on the other task.
+# for the filter whose SWiRL accuracy is best, and transfer: each task's SWiRL policies of the
+# process filter (the paper's) evaluated on the other task.
 #
 # portool, on the tool world: one SFT warm start, then PORTool, GRPO, GRPO_fm, DAPO, ARPO, ARPO_fm,
 # GiGPO and Tree-GRPO from it, PORTool also at gamma 0.9 and 1.0; 8 iterations each, 96 held-out
 # queries; accuracy, tool-call steps, unanswerable rate, formatting reward, each method's paired
 # difference from the warm start and from GRPO.
 #
-# Disk: a finished run keeps its records, evaluations and metrics (SWiRL's main-table policies
-# too, 0.5 GB each, for transfer); its checkpoints are removed once its evaluation is written.
+# Disk: a finished run keeps its records, evaluations and metrics; its checkpoints and policies
+# are removed once its evaluations (transfer's too) are written.
 # Environment: NO_VENV=1 uses the python on PATH as it is; JAX_COMPILATION_CACHE_DIR as in
 # launch/portool_compare.sh; CURVE (swirl) the trajectory counts of the curve ("" for none).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-usage() { echo "usage: bash launch/reproduce.sh swirl|portool [--seeds S ...] [--root DIR] [-- OVERRIDES ...]" >&2; exit 2; }
+usage() { echo "usage: bash launch/reproduce.sh swirl|portool [--seeds S ...] [--root DIR] [--results DIR] [-- OVERRIDES ...]" >&2; exit 2; }
 [ $# -ge 1 ] || usage
 TABLE=$1
 shift
 case $TABLE in swirl|portool) ;; *) echo "reproduce.sh: unknown table '$TABLE' (swirl, portool)" >&2; usage ;; esac
 SEEDS=(0 1 2)
 ROOT=runs/reproduce
+RESULTS=${RESULTS-results/reproduce}
 EXTRA=()
 while [ $# -gt 0 ]; do
   case $1 in
     --seeds) shift; SEEDS=(); while [ $# -gt 0 ] && [[ $1 =~ ^[0-9]+$ ]]; do SEEDS+=("$1"); shift; done
              [ ${#SEEDS[@]} -gt 0 ] || { echo "reproduce.sh: --seeds needs at least one integer" >&2; usage; } ;;
     --root) [ $# -ge 2 ] || usage; ROOT=$2; shift 2 ;;
+    --results) [ $# -ge 2 ] || usage; RESULTS=$2; shift 2 ;;
     --) shift; EXTRA=("$@"); break ;;
     *) echo "reproduce.sh: unknown argument '$1'" >&2; usage ;;
   esac
@@ -56,20 +59,52 @@ main() {  # main --config=FILE OVERRIDES...: a run, the command line's overrides
   shift
   python -m steprl_jax.main "$config" --config.progress=False "$@" ${EXTRA[@]+"${EXTRA[@]}"}
 }
-table() { python -m steprl_jax.evaluation.seeds --seeds "${SEEDS[@]}" "$@"; }
+table() {  # the seeds table; where results are kept it reads and writes there (its paths under ROOT moved)
+  local args=() a
+  for a in "$@"; do [ -z "$RESULTS" ] || a=${a//"$ROOT/"/$RESULTS/}; args+=("$a"); done
+  python -m steprl_jax.evaluation.seeds --seeds "${SEEDS[@]}" "${args[@]}"
+}
 FAILED=()
 failed() {  # failed WORKDIR: a run that stopped with an error; the others go on, the tables say n/a
   FAILED+=("$1: $(grep -h '^crashed\|Error' "$1/main.log" 2>/dev/null | tail -n 1)")
 }
 # A finished run's resume state goes: its checkpoints (two per training stage, 1.4 GB each for
-# SmolLM2-135M with its optimizer state) and the exported policies no later step reads. What is
-# kept: records, evaluations, metrics, and SWiRL's policies of the main table (for transfer).
+# SmolLM2-135M with its optimizer state) and its exported policies. What stays: records,
+# evaluations, metrics.
 prune() { local w=$1; shift; rm -rf "$w/checkpoints" "${@/#/$w/}"; }
-copy_missing() {  # copy_missing FROM TO FILE...: FROM/FILE to TO/FILE where TO lacks it
+copy_missing() {  # copy_missing FROM TO FILE...: FROM/FILE to TO/FILE where FROM has it and TO lacks it
   local from=$1 to=$2 f
   shift 2
   for f in "$@"; do
-    [ -e "$to/$f" ] || { mkdir -p "$(dirname "$to/$f")"; cp "$from/$f" "$to/$f"; }
+    [ -e "$to/$f" ] || [ ! -e "$from/$f" ] || { mkdir -p "$(dirname "$to/$f")"; cp "$from/$f" "$to/$f"; }
+  done
+}
+# What a finished run leaves that a table or a later run reads (evaluations, metrics, a seed's
+# collected and judged trajectories) is also kept under RESULTS, at the run's path below ROOT,
+# .jsonl files gzipped: a small tree to commit, so that the tables grow across machines. A run
+# whose files are there is restored from them and skipped. A kept file is never replaced: the
+# first result is the one reported. RESULTS="" keeps nothing.
+keep() {  # keep WORKDIR FILE...
+  [ -n "$RESULTS" ] || return 0
+  local w=$1 f to
+  shift
+  for f in "$@"; do
+    to=$RESULTS/${w#"$ROOT"/}/$f
+    [[ $f != *.jsonl ]] || to=$to.gz
+    [ -e "$w/$f" ] && [ ! -e "$to" ] || continue
+    mkdir -p "$(dirname "$to")"
+    if [[ $f == *.jsonl ]]; then gzip -nc "$w/$f" > "$to"; else cp "$w/$f" "$to"; fi
+  done
+}
+restore() {  # restore WORKDIR FILE...: the kept FILEs the workdir lacks
+  [ -n "$RESULTS" ] || return 0
+  local w=$1 f from
+  shift
+  for f in "$@"; do
+    from=$RESULTS/${w#"$ROOT"/}/$f
+    [ ! -e "$w/$f" ] || continue
+    if [ -e "$from.gz" ]; then mkdir -p "$(dirname "$w/$f")"; gunzip -c "$from.gz" > "$w/$f"
+    elif [ -e "$from" ]; then mkdir -p "$(dirname "$w/$f")"; cp "$from" "$w/$f"; fi
   done
 }
 
@@ -88,10 +123,31 @@ filter_flags() {
 # Sizes: 32 training questions (64 trajectories), 64 held-out questions, the configs' training.
 swirl_sizes() { echo "--config.task.num_tasks=$1 --config.task.eval_num_tasks=64"; }
 
+evaluations() { local name; for name; do echo "eval/$name.json eval/$name.metrics.json eval/$name.trajectories.jsonl"; done; }
+COLLECTED=(run.json trajectories.jsonl judged.jsonl stages/collect.json stages/judge.json)
+TRANSFER_FILTER=process  # the filter whose SWiRL policies are evaluated on the other task
+
 swirl_base() {  # the base model's held-out evaluation, one for every seed (greedy)
   local task=$1 w=$ROOT/swirl/$1/base
+  restore "$w" $(evaluations base)
   [ -f "$w/eval/base.json" ] || main --config="$(swirl_config "$task")" --config.workdir="$w" \
     $(swirl_sizes 32) --config.stages=eval
+  keep "$w" $(evaluations base)
+}
+
+swirl_transfer() {  # swirl_transfer TASK SEED POLICY: a policy trained on TASK evaluated on the other tasks
+  local from=$1 seed=$2 policy=$3 to w
+  for to in "${SWIRL_TASKS[@]}"; do
+    [ "$from" != "$to" ] || continue
+    w=$ROOT/swirl/transfer/${from}_on_$to/seed$seed
+    [ -f "$w/eval/swirl.json" ] || {
+      main --config="$(swirl_config "$to")" --config.workdir="$w" $(swirl_sizes 32) --config.stages=eval \
+        --config.model.source="$policy" || { failed "$w"; return 1; }
+      # the transferred policy evaluates as the run's "base": its own name here
+      cp "$w/eval/base.json" "$w/eval/swirl.json"
+    }
+    keep "$w" eval/swirl.json $(evaluations base)
+  done
 }
 
 swirl_filters() {  # swirl_filters TASK SEED QUESTIONS STAGES FILTER...: collect and judge once, then each filter
@@ -99,20 +155,33 @@ swirl_filters() {  # swirl_filters TASK SEED QUESTIONS STAGES FILTER...: collect
   shift 4
   dir=$ROOT/swirl/$task/seed$seed
   [ "$questions" = 32 ] || dir=$ROOT/swirl/$task/curve/n$((questions * K))/seed$seed
-  main --config="$(swirl_config "$task")" --config.workdir="$dir/collected" --config.seed="$seed" \
-    $(swirl_sizes "$questions") --config.stages=collect,judge
+  local todo=()
   for filter in "$@"; do
     w=$dir/$filter
-    [ -f "$w/eval/swirl.json" ] && { [[ $stages != *sft* ]] || [ -f "$w/eval/sft.json" ]; } && continue
+    restore "$w" $(evaluations swirl sft) metrics.jsonl
+    [ -f "$w/eval/swirl.json" ] && { [[ $stages != *sft* ]] || [ -f "$w/eval/sft.json" ]; } || todo+=("$filter")
+  done
+  [ ${#todo[@]} -gt 0 ] || return 0
+  restore "$dir/collected" "${COLLECTED[@]}"
+  main --config="$(swirl_config "$task")" --config.workdir="$dir/collected" --config.seed="$seed" \
+    $(swirl_sizes "$questions") --config.stages=collect,judge
+  keep "$dir/collected" "${COLLECTED[@]}"
+  for filter in "${todo[@]}"; do
+    w=$dir/$filter
     # the seed's collected, judged trajectories (and their stage markers) and the base's evaluation
-    copy_missing "$dir/collected" "$w" run.json trajectories.jsonl judged.jsonl stages/collect.json stages/judge.json
+    copy_missing "$dir/collected" "$w" "${COLLECTED[@]}"
     copy_missing "$ROOT/swirl/$task/base" "$w" eval/base.json eval/base.metrics.json eval/base.trajectories.jsonl
     # (a filter that keeps no unit, e.g. outcome filtering where the base answers nothing, fails)
     main --config="$(swirl_config "$task")" --config.workdir="$w" --config.seed="$seed" \
       $(swirl_sizes "$questions") $(filter_flags "$filter") --config.stages="$stages" || failed "$w"
-    if [ -f "$w/eval/swirl.json" ]; then
-      if [ "$questions" = 32 ]; then prune "$w" policy/sft; else prune "$w" policy; fi
+    [ -f "$w/eval/swirl.json" ] || continue
+    # the main table's policies of TRANSFER_FILTER on the other task, before they go: a run is
+    # kept only with its transfer, so an interruption in between runs both again
+    if [ "$questions" = 32 ] && [ "$filter" = "$TRANSFER_FILTER" ]; then
+      swirl_transfer "$task" "$seed" "$w/policy/swirl" || continue
     fi
+    keep "$w" $(evaluations swirl sft) metrics.jsonl comparison.md
+    prune "$w" policy
   done
 }
 
@@ -127,7 +196,7 @@ swirl_table() {  # swirl_table TASK: the filters' table from what has finished
 }
 
 best_filter() {  # the filter whose SWiRL row has the best seed-mean accuracy in TASK's table
-  python - "$ROOT/swirl/$1/table.json" <<'EOF'
+  python - "${RESULTS:-$ROOT}/swirl/$1/table.json" <<'EOF'
 import json, sys
 rows = json.load(open(sys.argv[1]))["rows"]
 scored = [(r["accuracy"]["value"], name[7:-1]) for name, r in rows.items()
@@ -158,22 +227,12 @@ run_swirl() {
     done
     table "${rows[@]}" --reference base --metrics "${SWIRL_METRICS[@]}" --out "$ROOT/swirl/$task/curve"
   done
-  local from to w
-  for from in "${SWIRL_TASKS[@]}"; do  # transfer: each task's best SWiRL policy on the other task
-    best=$(best_filter "$from")
+  local from to
+  for from in "${SWIRL_TASKS[@]}"; do  # transfer: TRANSFER_FILTER's policies on the other task
     for to in "${SWIRL_TASKS[@]}"; do
       [ "$from" != "$to" ] || continue
-      for seed in "${SEEDS[@]}"; do
-        w=$ROOT/swirl/transfer/${from}_on_$to/seed$seed
-        [ -f "$w/eval/swirl.json" ] || [ ! -d "$ROOT/swirl/$from/seed$seed/$best/policy/swirl" ] || {
-          main --config="$(swirl_config "$to")" --config.workdir="$w" $(swirl_sizes 32) --config.stages=eval \
-            --config.model.source="$ROOT/swirl/$from/seed$seed/$best/policy/swirl" || failed "$w"
-          # the transferred policy evaluates as the run's "base": its own name here
-          [ ! -f "$w/eval/base.json" ] || cp "$w/eval/base.json" "$w/eval/swirl.json"
-        }
-      done
       table --row "base=$ROOT/swirl/$to/base/eval/base.json" \
-        --row "SWiRL trained on $to=$ROOT/swirl/$to/seed{seed}/$(best_filter "$to")/eval/swirl.json" \
+        --row "SWiRL trained on $to=$ROOT/swirl/$to/seed{seed}/$TRANSFER_FILTER/eval/swirl.json" \
         --row "SWiRL trained on $from=$ROOT/swirl/transfer/${from}_on_$to/seed{seed}/eval/swirl.json" \
         --reference base --metrics "${SWIRL_METRICS[@]}" --out "$ROOT/swirl/transfer/${from}_on_$to"
     done
@@ -196,19 +255,43 @@ method_flags() {
   esac
 }
 
+PORTOOL_FINAL=(eval/iter_00008.metrics.json eval/iter_00008.trajectories.jsonl metrics.jsonl)
+WARM_EVAL=(eval/iter_00000.metrics.json eval/iter_00000.trajectories.jsonl)
+
+portool_warm_start() {  # the SFT warm start every method starts from, made here where it is missing
+  local warm=$1 kept
+  [ -d "$warm/policy/sft" ] && return 0
+  main --config=configs/portool_toolworld.py --config.workdir="$warm" "${PORTOOL_CPU[@]}" \
+    --config.rl.warm_start.updates=40 --config.rl.warm_start.learning_rate=5e-5 --config.rl.iterations=0
+  # The policy (0.5 GB) is not kept, so another machine makes it again from the same
+  # demonstrations and seed: the same up to the last bits of its arithmetic. The table's
+  # warm-start row is the first one kept; each remade one's accuracy is recorded beside it.
+  kept=$RESULTS/portool/warm_start/eval/iter_00000.metrics.json
+  if [ -n "$RESULTS" ] && [ -f "$kept" ]; then
+    python - "$kept" "$warm/eval/iter_00000.metrics.json" >> "$RESULTS/portool/warm_start/remade.txt" <<'EOF'
+import json, platform, sys
+kept, made = (json.load(open(p)) for p in sys.argv[1:])
+print(f"{platform.node()}: accuracy {made['accuracy']:.4f} (kept {kept['accuracy']:.4f}),"
+      f" the same per-question results: {kept['ci'] == made['ci']}")
+EOF
+  fi
+  keep "$warm" "${WARM_EVAL[@]}"
+}
+
 run_portool() {
   local warm=$ROOT/portool/warm_start method seed w rows=()
-  [ -f "$warm/eval/iter_00000.metrics.json" ] || main --config=configs/portool_toolworld.py \
-    --config.workdir="$warm" "${PORTOOL_CPU[@]}" --config.rl.warm_start.updates=40 \
-    --config.rl.warm_start.learning_rate=5e-5 --config.rl.iterations=0
   for seed in "${SEEDS[@]}"; do
     for method in "${PORTOOL_METHODS[@]}"; do
       w=$ROOT/portool/$method/seed$seed
+      restore "$w" "${PORTOOL_FINAL[@]}"
       [ -f "$w/eval/iter_00008.metrics.json" ] && continue
-      copy_missing "$warm" "$w" eval/iter_00000.metrics.json eval/iter_00000.trajectories.jsonl
+      portool_warm_start "$warm"
+      copy_missing "$warm" "$w" "${WARM_EVAL[@]}"
       main --config=configs/portool_toolworld.py $(method_flags "$method") --config.workdir="$w" \
         --config.seed="$seed" --config.rl.warm_start.source="$warm/policy/sft" "${PORTOOL_CPU[@]}" || failed "$w"
-      [ ! -f "$w/eval/iter_00008.metrics.json" ] || prune "$w" policy
+      [ -f "$w/eval/iter_00008.metrics.json" ] || continue
+      keep "$w" "${PORTOOL_FINAL[@]}" "${WARM_EVAL[@]}"
+      prune "$w" policy
     done
   done
   rows=(--row "SFT (warm start)=$warm/eval/iter_00000.metrics.json")
