@@ -123,7 +123,7 @@ filter_flags() {
 # Sizes: 32 training questions (64 trajectories), 64 held-out questions, the configs' training.
 swirl_sizes() { echo "--config.task.num_tasks=$1 --config.task.eval_num_tasks=64"; }
 
-evaluations() { local name; for name; do echo "eval/$name.json eval/$name.metrics.json eval/$name.trajectories.jsonl"; done; }
+evaluations() { local name; for name; do echo "eval/$name.json eval/$name.trajectories.jsonl"; done; }
 COLLECTED=(run.json trajectories.jsonl judged.jsonl stages/collect.json stages/judge.json)
 TRANSFER_FILTER=process  # the filter whose SWiRL policies are evaluated on the other task
 
