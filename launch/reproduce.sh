@@ -7,7 +7,8 @@
 # Resumable after any interruption: every run resumes in its own workdir (under --root) and a
 # finished one is skipped; what the tables read is kept under --results, a small tree meant to be
 # committed, so that a table can grow over several machines; the tables are written there again
-# from whatever has finished (a row reports the seeds it has). The seed varies training only: the held-out questions are the same for every seed
+# from whatever has finished (a row reports the seeds it has); --tables-only writes them and runs
+# nothing. The seed varies training only: the held-out questions are the same for every seed
 # (`task.seed`), so rows pair by question and seed (python -m steprl_jax.evaluation.seeds: each
 # seed's value, the seed mean, 95% intervals over questions and seeds, paired differences).
 #
@@ -32,7 +33,7 @@
 # launch/portool_compare.sh; CURVE (swirl) the trajectory counts of the curve ("" for none).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-usage() { echo "usage: bash launch/reproduce.sh swirl|portool [--seeds S ...] [--root DIR] [--results DIR] [-- OVERRIDES ...]" >&2; exit 2; }
+usage() { echo "usage: bash launch/reproduce.sh swirl|portool [--seeds S ...] [--root DIR] [--results DIR] [--tables-only] [-- OVERRIDES ...]" >&2; exit 2; }
 [ $# -ge 1 ] || usage
 TABLE=$1
 shift
@@ -40,6 +41,7 @@ case $TABLE in swirl|portool) ;; *) echo "reproduce.sh: unknown table '$TABLE' (
 SEEDS=(0 1 2)
 ROOT=runs/reproduce
 RESULTS=${RESULTS-results/reproduce}
+TABLES_ONLY=""
 EXTRA=()
 while [ $# -gt 0 ]; do
   case $1 in
@@ -47,6 +49,7 @@ while [ $# -gt 0 ]; do
              [ ${#SEEDS[@]} -gt 0 ] || { echo "reproduce.sh: --seeds needs at least one integer" >&2; usage; } ;;
     --root) [ $# -ge 2 ] || usage; ROOT=$2; shift 2 ;;
     --results) [ $# -ge 2 ] || usage; RESULTS=$2; shift 2 ;;
+    --tables-only) TABLES_ONLY=1; shift ;;
     --) shift; EXTRA=("$@"); break ;;
     *) echo "reproduce.sh: unknown argument '$1'" >&2; usage ;;
   esac
@@ -129,6 +132,7 @@ TRANSFER_FILTER=process  # the filter whose SWiRL policies are evaluated on the 
 
 swirl_base() {  # the base model's held-out evaluation, one for every seed (greedy)
   local task=$1 w=$ROOT/swirl/$1/base
+  [ -z "$TABLES_ONLY" ] || return 0
   restore "$w" $(evaluations base)
   [ -f "$w/eval/base.json" ] || main --config="$(swirl_config "$task")" --config.workdir="$w" \
     $(swirl_sizes 32) --config.stages=eval
@@ -153,6 +157,7 @@ swirl_transfer() {  # swirl_transfer TASK SEED POLICY: a policy trained on TASK 
 swirl_filters() {  # swirl_filters TASK SEED QUESTIONS STAGES FILTER...: collect and judge once, then each filter
   local task=$1 seed=$2 questions=$3 stages=$4 dir filter w
   shift 4
+  [ -z "$TABLES_ONLY" ] || return 0
   dir=$ROOT/swirl/$task/seed$seed
   [ "$questions" = 32 ] || dir=$ROOT/swirl/$task/curve/n$((questions * K))/seed$seed
   local todo=()
@@ -191,6 +196,9 @@ swirl_table() {  # swirl_table TASK: the filters' table from what has finished
   for filter in "${FILTERS[@]}"; do
     rows+=(--row "SFT ($filter)=$ROOT/swirl/$task/seed{seed}/$filter/eval/sft.json"
            --row "SWiRL ($filter)=$ROOT/swirl/$task/seed{seed}/$filter/eval/swirl.json")
+    # the paper's claims: SWiRL above SFT on the same units; process filtering above the others
+    rows+=(--pair "SWiRL ($filter) vs SFT ($filter)")
+    [ "$filter" = process ] || rows+=(--pair "SWiRL (process) vs SWiRL ($filter)")
   done
   table "${rows[@]}" --reference base --metrics "${SWIRL_METRICS[@]}" --out "$ROOT/swirl/$task/table"
 }
@@ -283,6 +291,7 @@ run_portool() {
   for seed in "${SEEDS[@]}"; do
     for method in "${PORTOOL_METHODS[@]}"; do
       w=$ROOT/portool/$method/seed$seed
+      [ -z "$TABLES_ONLY" ] || continue
       restore "$w" "${PORTOOL_FINAL[@]}"
       [ -f "$w/eval/iter_00008.metrics.json" ] && continue
       portool_warm_start "$warm"
@@ -298,7 +307,10 @@ run_portool() {
   for method in "${PORTOOL_METHODS[@]}"; do
     rows+=(--row "$method=$ROOT/portool/$method/seed{seed}/eval/iter_00008.metrics.json")
   done
-  table "${rows[@]}" --reference "SFT (warm start)" --metrics "${PORTOOL_METRICS[@]}" --out "$ROOT/portool/table"
+  # the paper's claims: gamma 0.95 (the default) above 0.9 and 1.0; the formatting reward's gain
+  table "${rows[@]}" --reference "SFT (warm start)" --metrics "${PORTOOL_METRICS[@]}" --out "$ROOT/portool/table" \
+    --pair "portool vs portool_gamma0.9" --pair "portool vs portool_gamma1.0" \
+    --pair "grpo_fm vs grpo" --pair "arpo_fm vs arpo"
   table "${rows[@]:2}" --reference grpo --metrics "${PORTOOL_METRICS[@]}" --out "$ROOT/portool/vs_grpo"
 }
 

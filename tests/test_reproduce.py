@@ -55,6 +55,9 @@ def test_swirl_runs_kept_under_results_are_skipped_and_tabled(tmp_path):
     table = json.loads((kept / "arithmetic" / "table.json").read_text())["rows"]
     assert table["SWiRL (process_step)"]["accuracy"]["per_seed"] == {"0": 7 / 8, "1": 8 / 8}
     assert table["SWiRL (none)"]["diff"]["accuracy"]["value"] == pytest.approx((2 + 3) / 2 / 8)
+    pairs = json.loads((kept / "arithmetic" / "table.json").read_text())["pairs"]
+    assert pairs["SWiRL (outcome) vs SFT (outcome)"]["accuracy"]["value"] == pytest.approx((5 + 6) / 2 / 8 - 2 / 8)
+    assert pairs["SWiRL (process) vs SWiRL (process_step)"]["accuracy"]["value"] == pytest.approx(-3 / 8)
     transfer = json.loads((kept / "transfer" / "gsm8k_on_arithmetic.json").read_text())["rows"]
     assert transfer["SWiRL trained on gsm8k"]["accuracy"]["value"] == 2 / 8
     assert transfer["SWiRL trained on arithmetic"]["accuracy"]["per_seed"] == {"0": 4 / 8, "1": 5 / 8}
@@ -76,5 +79,18 @@ def test_portool_runs_kept_under_results_are_skipped_and_no_warm_start_is_made(t
     table = json.loads((kept / "table.json").read_text())["rows"]
     assert table["SFT (warm start)"]["accuracy"]["value"] == 2 / 8
     assert table["dapo"]["diff"]["accuracy"]["value"] == pytest.approx(3 / 8)
+    assert json.loads((kept / "table.json").read_text())["pairs"]["grpo_fm vs grpo"]["accuracy"]["value"] == 1 / 8
     vs_grpo = json.loads((kept / "vs_grpo.json").read_text())["rows"]
     assert "SFT (warm start)" not in vs_grpo and vs_grpo["portool"]["diff"]["accuracy"]["value"] == -1 / 8
+
+
+def test_tables_only_runs_nothing_and_tables_what_is_kept(tmp_path):
+    kept = tmp_path / "results" / "portool"
+    metrics = ("accuracy", "tool_steps", "unanswerable", "format_reward")
+    _evaluation(f"{kept}/warm_start/eval/iter_00000.metrics.json", 2, metrics)
+    _evaluation(f"{kept}/portool/seed1/eval/iter_00008.metrics.json", 5, metrics)  # nothing else has run
+    out = _reproduce("portool", tmp_path, "--tables-only")
+    assert out.returncode == 0, out.stderr
+    assert not (tmp_path / "runs").exists()
+    table = json.loads((kept / "table.json").read_text())["rows"]
+    assert table["portool"]["seeds"] == [1] and table["grpo"]["seeds"] == []

@@ -95,6 +95,21 @@ def test_the_table_command_reads_rows_by_seed(tmp_path, capsys):
     assert text in capsys.readouterr().out
 
 
+def test_named_pairs_are_paired_by_seed_and_question(tmp_path):
+    _evaluation(tmp_path / "s0" / "sft.json", {"q1": (1, 1), "q2": (0, 1), "q3": (0, 1)})
+    _evaluation(tmp_path / "s1" / "sft.json", {"q1": (1, 1), "q2": (1, 1), "q3": (0, 1)})
+    _evaluation(tmp_path / "s0" / "swirl.json", SEED0)
+    _evaluation(tmp_path / "s1" / "swirl.json", SEED1)
+    rows = ["--row", f"SFT={tmp_path}/s{{seed}}/sft.json", "--row", f"SWiRL={tmp_path}/s{{seed}}/swirl.json"]
+    assert seeds.main(["--seeds", "0", "1", *rows, "--pair", "SWiRL vs SFT", "--out", str(tmp_path / "t")]) == 0
+    pair = json.loads((tmp_path / "t.json").read_text())["pairs"]["SWiRL vs SFT"]["accuracy"]
+    swirl = {s: sum(t[0] for t in terms.values()) / 3 for s, terms in ((0, SEED0), (1, SEED1))}
+    assert pair["per_seed"] == {"0": pytest.approx(swirl[0] - 1 / 3), "1": pytest.approx(swirl[1] - 2 / 3)}
+    assert "| SWiRL vs SFT |" in (tmp_path / "t.md").read_text()
+    with pytest.raises(SystemExit):
+        seeds.main(["--seeds", "0", *rows, "--pair", "SWiRL vs DPO", "--out", str(tmp_path / "t")])
+
+
 def test_bad_rows_are_named(tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ValueError, match="bad.json: malformed JSON"):

@@ -152,6 +152,14 @@ def seed_table(rows: Mapping[str, Mapping[int, dict]], metrics: Sequence[str], r
     return table
 
 
+def pair_table(rows: Mapping[str, Mapping[int, dict]], pairs: Sequence[tuple[str, str]], metrics: Sequence[str],
+               *, seed: int = 0) -> dict:
+    """{"A vs B": {metric: paired_seeds_diff_ci of A - B}} for named pairs of rows (e.g. SWiRL
+    against SFT trained on the same units)."""
+    return {f"{a} vs {b}": {m: paired_seeds_diff_ci(_terms(rows[b], m), _terms(rows[a], m), seed=seed)
+                            for m in metrics} for a, b in pairs}
+
+
 def _cell(ci: Optional[dict], pct: bool) -> str:
     if ci is None:
         return "n/a"
@@ -161,9 +169,10 @@ def _cell(ci: Optional[dict], pct: bool) -> str:
 
 
 def table_markdown(table: Mapping[str, dict], metrics: Sequence[str], titles: Mapping[str, str],
-                   reference: Optional[str] = None, percent: Sequence[str] = ()) -> str:
+                   reference: Optional[str] = None, percent: Sequence[str] = (),
+                   pairs: Optional[Mapping[str, dict]] = None) -> str:
     """Values (percent for `percent` metrics) with their intervals and per-seed values, then each
-    row's paired difference from `reference`."""
+    row's paired difference from `reference`, then the named `pairs` (`pair_table`)."""
     from steprl_jax.evaluation.compare import markdown_rows
 
     titles_ = [titles.get(m, m) for m in metrics]
@@ -176,6 +185,10 @@ def table_markdown(table: Mapping[str, dict], metrics: Sequence[str], titles: Ma
                   "questions and seeds; * excludes 0):", "",
                   *markdown_rows(["policy", *titles_], [[name, *(diff_cell(d[m], " *") for m in metrics)]
                                                         for name, d in diffs])]
+    if pairs:
+        lines += ["", "Paired differences, first row minus second (same questions, same seeds; * excludes 0):", "",
+                  *markdown_rows(["pair", *titles_], [[name, *(diff_cell(d[m], " *") for m in metrics)]
+                                                      for name, d in pairs.items()])]
     return "\n".join(lines) + "\n"
 
 
@@ -190,6 +203,8 @@ def main(argv=None) -> int:
     parser.add_argument("--percent", nargs="*", default=None,
                         help="metrics shown in percent (default: all but mean_actions and the PORTool counts)")
     parser.add_argument("--reference", default=None, help="the row the others are paired against")
+    parser.add_argument("--pair", action="append", default=[], metavar="'A vs B'",
+                        help="also the paired difference A - B of two rows")
     parser.add_argument("--out", required=True, help="path prefix of the .md and .json outputs")
     args = parser.parse_args(argv)
     rows = {}
@@ -200,12 +215,18 @@ def main(argv=None) -> int:
         rows[name] = read_row(pattern, args.seeds)
     if args.reference is not None and args.reference not in rows:
         parser.error(f"--reference {args.reference!r} is not a row ({', '.join(rows)})")
+    pairs = [tuple(p.split(" vs ")) for p in args.pair]
+    for spec, pair in zip(args.pair, pairs):
+        if len(pair) != 2 or any(name not in rows for name in pair):
+            parser.error(f"--pair {spec!r}: expected 'A vs B' with A and B rows ({', '.join(rows)})")
     percent = args.percent if args.percent is not None else \
         [m for m in args.metrics if m not in ("mean_actions", "tool_steps", "format_reward")]
     table = seed_table(rows, args.metrics, args.reference)
-    text = table_markdown(table, args.metrics, TITLES, args.reference, percent)
+    paired = pair_table(rows, pairs, args.metrics)
+    text = table_markdown(table, args.metrics, TITLES, args.reference, percent, paired)
     write_text_atomic(args.out + ".md", text)
-    write_json_atomic(args.out + ".json", {"seeds": args.seeds, "metrics": args.metrics, "rows": table})
+    write_json_atomic(args.out + ".json", {"seeds": args.seeds, "metrics": args.metrics, "rows": table,
+                                           "pairs": paired})
     print(text)
     return 0
 
