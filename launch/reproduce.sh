@@ -18,9 +18,10 @@
 # trajectory granularity; process at step granularity); accuracy, process correctness under the
 # rule judge (the one SWiRL filters and rewards by) and under the reference-guided step judge
 # (which sees the golden solution: a measure the policy never trains against), actions per
-# episode. Then a curve over the number of trajectories collected (CURVE, default "64 256 1024")
-# for the filter whose SWiRL accuracy is best, and transfer: each task's SWiRL policies of the
-# process filter (the paper's) evaluated on the other task.
+# episode. Then a curve over the number of trajectories collected (CURVE, default "16 64 256", on
+# the tasks in CURVE_TASKS, default arithmetic) for the filter whose SWiRL accuracy is best, with
+# SWiRL's updates scaled with the trajectories (6 at 64), and transfer: each task's SWiRL
+# policies of the process filter (the paper's) evaluated on the other task.
 #
 # portool, on the tool world: one SFT warm start, then PORTool, GRPO, GRPO_fm, DAPO, ARPO, ARPO_fm,
 # GiGPO and Tree-GRPO from it, PORTool also at gamma 0.9 and 1.0; 8 iterations each, 96 held-out
@@ -30,7 +31,8 @@
 # Disk: a finished run keeps its records, evaluations and metrics; its checkpoints and policies
 # are removed once its evaluations (transfer's too) are written.
 # Environment: NO_VENV=1 uses the python on PATH as it is; JAX_COMPILATION_CACHE_DIR as in
-# launch/portool_compare.sh; CURVE (swirl) the trajectory counts of the curve ("" for none).
+# launch/portool_compare.sh; CURVE (swirl) the trajectory counts of the curve ("" for none),
+# CURVE_TASKS the tasks it runs on.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 usage() { echo "usage: bash launch/reproduce.sh swirl|portool [--seeds S ...] [--root DIR] [--results DIR] [--tables-only] [-- OVERRIDES ...]" >&2; exit 2; }
@@ -154,12 +156,29 @@ swirl_transfer() {  # swirl_transfer TASK SEED POLICY: a policy trained on TASK 
   done
 }
 
+# The curve's points train as long as their data: the config's SWiRL updates (sized for the
+# main table's 64 trajectories) times trajectories / 64, at least one. With fixed updates a
+# larger collection would only change which states the same few updates sample.
+curve_updates() {  # curve_updates TASK QUESTIONS
+  python - "$(swirl_config "$1")" "$(( $2 * K ))" <<'EOF'
+import importlib.util, math, sys
+spec = importlib.util.spec_from_file_location("config", sys.argv[1])
+config = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(config)
+print(max(1, math.ceil(config.get_config().swirl.train.updates * int(sys.argv[2]) / 64)))
+EOF
+}
+
 swirl_filters() {  # swirl_filters TASK SEED QUESTIONS STAGES FILTER...: collect and judge once, then each filter
-  local task=$1 seed=$2 questions=$3 stages=$4 dir filter w
+  local task=$1 seed=$2 questions=$3 stages=$4 dir filter w sizes
   shift 4
   [ -z "$TABLES_ONLY" ] || return 0
   dir=$ROOT/swirl/$task/seed$seed
-  [ "$questions" = 32 ] || dir=$ROOT/swirl/$task/curve/n$((questions * K))/seed$seed
+  sizes=$(swirl_sizes "$questions")
+  if [ "$questions" != 32 ]; then
+    dir=$ROOT/swirl/$task/curve/n$((questions * K))/seed$seed
+    sizes="$sizes --config.swirl.train.updates=$(curve_updates "$task" "$questions")"
+  fi
   local todo=()
   for filter in "$@"; do
     w=$dir/$filter
@@ -178,7 +197,7 @@ swirl_filters() {  # swirl_filters TASK SEED QUESTIONS STAGES FILTER...: collect
     copy_missing "$ROOT/swirl/$task/base" "$w" eval/base.json eval/base.metrics.json eval/base.trajectories.jsonl
     # (a filter that keeps no unit, e.g. outcome filtering where the base answers nothing, fails)
     main --config="$(swirl_config "$task")" --config.workdir="$w" --config.seed="$seed" \
-      $(swirl_sizes "$questions") $(filter_flags "$filter") --config.stages="$stages" || failed "$w"
+      $sizes $(filter_flags "$filter") --config.stages="$stages" || failed "$w"
     [ -f "$w/eval/swirl.json" ] || continue
     # the main table's policies of TRANSFER_FILTER on the other task, before they go: a run is
     # kept only with its transfer, so an interruption in between runs both again
@@ -222,10 +241,12 @@ run_swirl() {
     done
     swirl_table "$task"
   done
-  for task in "${SWIRL_TASKS[@]}"; do  # the curve: the best filter with more (or fewer) trajectories
+  # the curve: the best filter with fewer and more trajectories (GSM8K only on request: its base
+  # answers no question, so its points cost hours and measure nothing)
+  for task in ${CURVE_TASKS-arithmetic}; do
     best=$(best_filter "$task")
     rows=(--row "base=$ROOT/swirl/$task/base/eval/base.json")
-    for n in ${CURVE-64 256 1024}; do
+    for n in ${CURVE-16 64 256}; do
       if [ "$n" != $((32 * K)) ]; then
         for seed in "${SEEDS[@]}"; do swirl_filters "$task" "$seed" $((n / K)) filter,train,eval "$best"; done
         rows+=(--row "SWiRL ($best), $n trajectories=$ROOT/swirl/$task/curve/n$n/seed{seed}/$best/eval/swirl.json")
