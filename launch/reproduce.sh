@@ -290,21 +290,27 @@ WARM_EVAL=(eval/iter_00000.metrics.json eval/iter_00000.trajectories.jsonl)
 portool_warm_start() {  # the SFT warm start every method starts from, made here where it is missing
   local warm=$1 kept
   [ -d "$warm/policy/sft" ] && return 0
-  main --config=configs/portool_toolworld.py --config.workdir="$warm" "${PORTOOL_CPU[@]}" \
-    --config.rl.warm_start.updates=40 --config.rl.warm_start.learning_rate=5e-5 --config.rl.iterations=0
   # The policy (0.5 GB) is not kept, so another machine makes it again from the same
   # demonstrations and seed: the same up to the last bits of its arithmetic. The table's
-  # warm-start row is the first one kept; each remade one's accuracy is recorded beside it.
-  kept=$RESULTS/portool/warm_start/eval/iter_00000.metrics.json
+  # warm-start row is the first evaluation kept; a remade policy is not evaluated again (its
+  # 96 queries cost as much as half the SFT on a CPU): its training losses, step by step, are
+  # recorded beside the kept run's instead.
+  restore "$warm" "${WARM_EVAL[@]}"
+  main --config=configs/portool_toolworld.py --config.workdir="$warm" "${PORTOOL_CPU[@]}" \
+    --config.rl.warm_start.updates=40 --config.rl.warm_start.learning_rate=5e-5 --config.rl.iterations=0
+  kept=$RESULTS/portool/warm_start/metrics.jsonl.gz
   if [ -n "$RESULTS" ] && [ -f "$kept" ]; then
-    python - "$kept" "$warm/eval/iter_00000.metrics.json" >> "$RESULTS/portool/warm_start/remade.txt" <<'EOF'
-import json, platform, sys
-kept, made = (json.load(open(p)) for p in sys.argv[1:])
-print(f"{platform.node()}: accuracy {made['accuracy']:.4f} (kept {kept['accuracy']:.4f}),"
-      f" the same per-question results: {kept['ci'] == made['ci']}")
+    python - "$kept" "$warm/metrics.jsonl" >> "$RESULTS/portool/warm_start/remade.txt" <<'EOF'
+import gzip, json, platform, sys
+def losses(f):
+    return {r["step"]: r["loss"] for r in map(json.loads, f) if r.get("stage") == "sft"}
+kept, made = losses(gzip.open(sys.argv[1], "rt")), losses(open(sys.argv[2]))
+gap = max(abs(kept[s] - made[s]) for s in kept) if kept.keys() == made.keys() else float("nan")
+print(f"{platform.node()}: {len(made)} SFT updates (kept {len(kept)}), largest loss difference"
+      f" from the kept run's {gap:.2e}")
 EOF
   fi
-  keep "$warm" "${WARM_EVAL[@]}"
+  keep "$warm" "${WARM_EVAL[@]}" metrics.jsonl
 }
 
 run_portool() {
