@@ -32,6 +32,7 @@ class StubServer:
         self.in_flight = 0
         self.max_in_flight = 0
         self.sleeping = 0
+        self.wake = None  # an Event: a "sleep" ends when it is set (sleep_s then only guards a hang)
         stub = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -59,7 +60,10 @@ class StubServer:
                     return
                 if fault == "sleep":
                     stub.sleeping += 1
-                    time.sleep(stub.sleep_s)
+                    if stub.wake is None:
+                        time.sleep(stub.sleep_s)
+                    else:
+                        stub.wake.wait(stub.sleep_s)
                     stub.sleeping -= 1
                 if fault == "garbage":
                     self._send(200, b"<html>not json at all")
@@ -195,18 +199,23 @@ def test_api_key_is_sent_but_never_logged_or_recorded(stub, monkeypatch, caplog,
 
 
 def test_concurrency_limit_and_a_slow_call_does_not_block_the_batch(stub):
-    stub.faults = ["sleep"]  # the first request is slow; the others are fast
-    stub.sleep_s = 3.0
+    # The first request is slow: it is answered only once the other 11 have been, so no clock
+    # decides the test (sleep_s only ends a hang, which the assertions then report).
+    stub.faults = ["sleep"]
+    stub.sleep_s = 30.0
+    stub.wake = threading.Event()
     finished_during_sleep = []
     fast_reply = stub.reply
 
     def reply(body, i):
         if stub.sleeping:
             finished_during_sleep.append(i)
+            if len(finished_during_sleep) == 11:
+                stub.wake.set()
         return fast_reply(body, i)
 
     stub.reply = reply
-    judge = ProcessJudge(backend_for(stub, timeout_s=10.0, max_concurrency=3), max_workers=8)
+    judge = ProcessJudge(backend_for(stub, timeout_s=60.0, max_concurrency=3), max_workers=8)
     items = [StepItem(f"q{i}", "", "a") for i in range(12)]
     verdicts = judge.judge_steps(items)
     assert [v.label for v in verdicts] == ["GOOD"] * 12
