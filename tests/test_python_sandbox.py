@@ -216,8 +216,11 @@ except RuntimeError as err:
 
 @BOTH
 def test_memory_hogs_get_memory_error(settings):
+    # Zero-filling up to the 1 GiB limit can take over a CPU second on a loaded host: the CPU limit
+    # is raised here so that only the memory limit can stop these snippets.
+    roomy = dataclasses.replace(settings, cpu_s=20, wall_timeout_s=60.0)
     for code in ("x = bytearray(10 * 2**30)", "x = []\nwhile True:\n    x.append(bytearray(64 * 2**20))"):
-        result = run_python(code, settings)
+        result = run_python(code, roomy)
         assert (result.status, result.error) == ("error", "MemoryError"), result
     _still_works(settings)
 
