@@ -1,4 +1,7 @@
 """export_hf round trip: our model -> HF directory -> transformers, same logits; tokenizer loads too."""
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -47,3 +50,32 @@ def test_refuses_to_overwrite(tokenizer, tmp_path):
     again, _ = load_pretrained(str(tmp_path / "original"))
     np.testing.assert_allclose(np.asarray(again.embed.get_value()),
                                np.asarray(model.embed.get_value()), rtol=1e-2, atol=1e-3)
+
+
+def test_an_exported_tokenizer_loads_as_auto_tokenizer_loads_it(tokenizer, tmp_path):
+    """load_pretrained reads a generic tokenizers-backed tokenizer without the auto machinery (which
+    imports torch): the same class, vocabulary, special tokens, chat template and ids as AutoTokenizer;
+    a folder naming another class still goes through AutoTokenizer."""
+    from steprl_jax.models.pretrained import _hf_tokenizer
+
+    tokenizer.save_pretrained(str(tmp_path / "generic"))
+    ours, auto = _hf_tokenizer(str(tmp_path / "generic")), transformers.AutoTokenizer.from_pretrained(tmp_path / "generic")
+    assert type(ours) is type(auto)
+    assert ours.get_vocab() == auto.get_vocab() and ours.special_tokens_map == auto.special_tokens_map
+    assert ours.chat_template == auto.chat_template and ours.chat_template is not None
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 2 = <|im_end|>?"}]
+    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    text = "  Tabs\tand ünïcode, <|im_start|>tokens<|im_end|> 12345"
+    assert ours(text)["input_ids"] == auto(text)["input_ids"]
+    assert ours.decode(ours(text)["input_ids"]) == auto.decode(auto(text)["input_ids"])
+
+    code = ("import sys; from steprl_jax.models.pretrained import _hf_tokenizer; "
+            f"_hf_tokenizer({str(tmp_path / 'generic')!r}); print('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout == "False\n"  # seconds at every process start
+
+    # any other class name is AutoTokenizer's business
+    config = tmp_path / "generic" / "tokenizer_config.json"
+    config.write_text(config.read_text().replace('"TokenizersBackend"', '"GPT2Tokenizer"'))
+    assert type(_hf_tokenizer(str(tmp_path / "generic"))).__name__ != "TokenizersBackend"

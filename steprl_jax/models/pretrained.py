@@ -8,6 +8,7 @@ Presets are real small checkpoints shipped as pip packages (see third_party/):
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from typing import Optional
 
@@ -96,14 +97,35 @@ def load_pretrained(source: str, dtype=None, compute_dtype: Optional[str] = None
     return model, tokenizer
 
 
+# Tokenizer classes that AutoTokenizer resolves to the generic tokenizers-backed class (what an
+# export of ours and most Llama / Qwen checkpoints name). That class is loaded directly: the auto
+# machinery imports torch where it is installed, seconds at every process start for nothing.
+_GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
 def _hf_tokenizer(directory: str):
     """The directory's tokenizer, or None when it has no tokenizer files (a bare weights export)."""
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if not any(os.path.isfile(os.path.join(directory, n)) for n in names):
         return None
+    if (_tokenizer_class(directory) in _GENERIC_TOKENIZERS
+            and os.path.isfile(os.path.join(directory, "tokenizer.json"))):
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(directory)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(directory)
+
+
+def _tokenizer_class(directory: str) -> Optional[str]:
+    """`tokenizer_class` of the directory's tokenizer_config.json; None where there is none (or the
+    file does not parse: AutoTokenizer then reads it and says what is wrong)."""
+    try:
+        with open(os.path.join(directory, "tokenizer_config.json")) as f:
+            return json.load(f).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _with_special_ids(config: ModelConfig, tokenizer) -> ModelConfig:

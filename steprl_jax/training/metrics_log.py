@@ -25,6 +25,7 @@ import math
 import os
 import socket
 import struct
+import sys
 import time
 from typing import Mapping
 
@@ -75,12 +76,7 @@ class EventFile:
     data), appended whole or not at all."""
 
     def __init__(self, folder: str):
-        from tensorboardX.proto import event_pb2, summary_pb2
-        from tensorboardX.record_writer import masked_crc32c
-
-        self._event = event_pb2.Event
-        self._summary = summary_pb2.Summary
-        self._crc = masked_crc32c
+        self._event, self._summary, self._crc = _tensorboard_records()
         os.makedirs(folder, exist_ok=True)
         self.path = os.path.join(folder, f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}")
         self._append(self._event(wall_time=time.time(), file_version="brain.Event:2"))
@@ -129,3 +125,19 @@ def read_metrics(workdir: str) -> dict[str, list[dict]]:
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _tensorboard_records():
+    """tensorboardX's (Event, Summary, masked_crc32c). Its package __init__ imports torch where torch
+    is installed (seconds at every process start, for a type check of its writer that is not used
+    here): torch reads as absent for this one import unless the process has loaded it already."""
+    hide = "torch" not in sys.modules
+    if hide:
+        sys.modules["torch"] = None  # `import torch` raises ImportError, which tensorboardX expects
+    try:
+        from tensorboardX.proto import event_pb2, summary_pb2
+        from tensorboardX.record_writer import masked_crc32c
+    finally:
+        if hide:
+            del sys.modules["torch"]
+    return event_pb2.Event, summary_pb2.Summary, masked_crc32c
