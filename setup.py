@@ -35,7 +35,7 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8,<10", "hypothesis>=6.100,<7", "torch==2.13.0", "accelerate>=1.0,<2", "openai>=1.40,<4",
-                 "peft>=0.13,<1", "pytest-xdist>=3.5,<4", "jax[tpu]>=0.7,<0.11", "import-linter>=2.17,<3"],
+                 "peft>=0.13,<1", "pytest-xdist>=3.8,<4", "jax[tpu]>=0.7,<0.11", "import-linter>=2.17,<3"],
         "tpu": ["jax[tpu]>=0.7,<0.11"],
         "gpu": ["jax[cuda12]>=0.7,<0.11"],
         "bench": ["torch==2.13.0", "trl>=1.16,<2"],

@@ -7,4 +7,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS="[test]" . launch/_env.sh
 export JAX_PLATFORMS=cpu
-exec python -m pytest -q -p no:cacheprovider -o tmp_path_retention_policy=failed -n "${TEST_WORKERS:-2}" --dist loadfile --durations=15 tests "$@"
+exec python -m pytest -q -p no:cacheprovider -o tmp_path_retention_policy=failed -n "${TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder --durations=15 tests "$@"
