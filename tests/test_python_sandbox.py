@@ -12,6 +12,7 @@ import dataclasses
 import glob
 import os
 import resource
+import shutil
 import socket
 import subprocess
 import sys
@@ -56,23 +57,52 @@ def _uid_of(pid: str) -> int | None:
         return None
 
 
-def _leftovers() -> tuple[set, set, set]:
-    pids = [p for p in os.listdir("/proc") if p.isdigit()]
-    nobody = {p for p in pids if _uid_of(p) == NOBODY}
-    children = set()
-    for p in pids:
+def _parents() -> dict[int, int]:
+    parents = {}
+    for p in os.listdir("/proc"):
         try:
             with open(f"/proc/{p}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid():
-                    children.add(p)
+                parents[int(p)] = int(f.read().rsplit(")", 1)[1].split()[1])
         except (OSError, IndexError, ValueError):
-            pass
-    scratch = set(glob.glob(os.path.join(tempfile.gettempdir(), "steprl_sandbox_*")))
+            pass  # ended meanwhile, or not a process
+    return parents
+
+
+def _cwd(pid: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return ""
+
+
+def _ours(pid: int, parents: dict[int, int], scratch_root: str) -> bool:
+    # Another test process (the ToRL, SimpleTIR and flow tests) may run sandboxes meanwhile. A process is
+    # this test's when it descends from this process, or from a sandbox started in this test's scratch
+    # root (each starts in its scratch folder): that is how one that outlived its caller is still known.
+    while pid > 1:
+        if pid == os.getpid() or _cwd(pid).startswith(scratch_root + os.sep):
+            return True
+        pid = parents.get(pid, 0)
+    return False
+
+
+def _leftovers() -> tuple[set, set, set]:
+    scratch_root = tempfile.gettempdir()  # this test's own (the autouse fixture)
+    parents = _parents()
+    nobody = {p for p in parents if _uid_of(str(p)) == NOBODY and _ours(p, parents, scratch_root)}
+    children = {p for p, parent in parents.items() if parent == os.getpid()}
+    scratch = set(glob.glob(os.path.join(scratch_root, "steprl_sandbox_*")))
     return nobody, children, scratch
 
 
 @pytest.fixture(autouse=True)
-def nothing_left_behind():
+def nothing_left_behind(monkeypatch, tmp_path_factory):
+    # The sandboxes' scratch folders go to a folder of this test's own (traversable by uid 65534, the
+    # uid-drop mode's working folder is in it), so that only this test's are counted.
+    tmp_path_factory.getbasetemp()  # pytest's own folder stays where it was (it is made on first use)
+    scratch_root = tempfile.mkdtemp(prefix="sandbox_test_")
+    os.chmod(scratch_root, 0o711)
+    monkeypatch.setattr(tempfile, "tempdir", scratch_root)
     before = _leftovers()
     yield
     deadline = time.monotonic() + 5.0  # a killed namespace's init is reaped by the host's init, not by us
@@ -82,6 +112,8 @@ def nothing_left_behind():
         if not any(extra) or time.monotonic() > deadline:
             break
         time.sleep(0.1)
+    monkeypatch.undo()
+    shutil.rmtree(scratch_root, ignore_errors=True)
     assert extra == [set(), set(), set()], f"left behind (uid {NOBODY} pids, children, scratch): {extra}"
 
 
@@ -255,7 +287,8 @@ def test_a_sandbox_does_not_outlive_a_killed_caller():
               "settings = SandboxSettings(wall_timeout_s=1.0)\n"
               "isolation(settings)\nprint('probed', flush=True)\n"  # the probe's own sandbox has ended
               "run_python('import time; time.sleep(1000)', settings)")
-    caller = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": ROOT},
+    caller = subprocess.Popen([sys.executable, "-c", script],
+                              env={**os.environ, "PYTHONPATH": ROOT, "TMPDIR": tempfile.gettempdir()},
                               stdout=subprocess.PIPE, text=True)
     try:
         assert caller.stdout.readline() == "probed\n"
