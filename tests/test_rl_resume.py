@@ -11,7 +11,8 @@ and ARPO in their rewards only (tests/test_rl_builders.py).
 
 The verdict stub answers true / false / unable_to_answer from a hash of the request, so rewards
 are the same in every process and the advantages are not all zero. Compiled programs are shared
-between the processes through JAX's persistent compilation cache (same programs, less time).
+between the processes (and with the other files' runs of the same sizes) through the session's
+persistent compilation cache (tests/conftest.py).
 """
 import json
 import os
@@ -29,7 +30,8 @@ from swirl_helpers import smol_tokenizer, tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FULL = os.environ.get("STEPRL_JAX_RESUME_MATRIX") == "1"  # launch/rl_resume_matrix.sh
-ALGORITHMS = tuple(REGISTERED) if FULL else ("portool", "grpo", "dapo", "arpo", "gigpo", "tree_grpo", "flow_grpo")
+# GRPO's end-to-end run, killed and resumed, is test_kill_anywhere.py's chain (the same command)
+ALGORITHMS = tuple(REGISTERED) if FULL else ("portool", "dapo", "arpo", "gigpo", "tree_grpo", "flow_grpo")
 KILLED = ALGORITHMS if FULL else ("portool", "flow_grpo")  # the others: an uninterrupted run only
 # Asynchronous rollouts one version behind the learner (algorithms/async_loop.py): deterministic,
 # so a killed run resumes bit for bit too, its checkpoint holding the iteration rolled out ahead.
@@ -49,8 +51,7 @@ def setup(tmp_path_factory):
     folder = tmp_path_factory.mktemp("rl_resume")
     tokenizer = smol_tokenizer()
     model_dir = export_hf(tiny_model(tokenizer, seed=11), tokenizer, str(folder / "model"))
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(folder / "jax_cache"),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}  # and the session's compilation cache (conftest.py)
     yield stub, model_dir, env
     stub.close()
 
