@@ -2,7 +2,7 @@
 # The papers' tables at CPU scale, one command each, several seeds (SmolLM2-135M-Instruct):
 #
 #   bash launch/reproduce.sh swirl   [--seeds 0 1 2] [--root runs/reproduce] [--results results/reproduce] [-- CONFIG_OVERRIDES ...]
-#   bash launch/reproduce.sh portool [--seeds 0 1 2] [--root runs/reproduce] [--results results/reproduce] [-- CONFIG_OVERRIDES ...]
+#   bash launch/reproduce.sh portool [--seeds 0 1 2] [--methods M ...] [--root runs/reproduce] [--results results/reproduce] [-- CONFIG_OVERRIDES ...]
 #
 # Resumable after any interruption: every run resumes in its own workdir (under --root) and a
 # finished one is skipped; what the tables read is kept under --results, a small tree meant to be
@@ -26,7 +26,8 @@
 # portool, on the tool world: one SFT warm start, then PORTool, GRPO, GRPO_fm, DAPO, ARPO, ARPO_fm,
 # GiGPO and Tree-GRPO from it, PORTool also at gamma 0.9 and 1.0; 8 iterations each, 96 held-out
 # queries; accuracy, tool-call steps, unanswerable rate, formatting reward, each method's paired
-# difference from the warm start and from GRPO.
+# difference from the warm start and from GRPO. --methods runs only the methods named (e.g.
+# `--methods portool grpo` for the main comparison's seeds first); the tables still show every method.
 #
 # Disk: a finished run keeps its records, evaluations and metrics; its checkpoints and policies
 # are removed once its evaluations (transfer's too) are written.
@@ -35,7 +36,7 @@
 # CURVE_TASKS the tasks it runs on.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-usage() { echo "usage: bash launch/reproduce.sh swirl|portool [--seeds S ...] [--root DIR] [--results DIR] [--tables-only] [-- OVERRIDES ...]" >&2; exit 2; }
+usage() { echo "usage: bash launch/reproduce.sh swirl|portool [--seeds S ...] [--methods M ...] [--root DIR] [--results DIR] [--tables-only] [-- OVERRIDES ...]" >&2; exit 2; }
 [ $# -ge 1 ] || usage
 TABLE=$1
 shift
@@ -45,10 +46,14 @@ ROOT=runs/reproduce
 RESULTS=${RESULTS-results/reproduce}
 TABLES_ONLY=""
 EXTRA=()
+METHODS=()
+PORTOOL_METHODS=(portool grpo grpo_fm dapo arpo arpo_fm gigpo tree_grpo portool_gamma0.9 portool_gamma1.0)
 while [ $# -gt 0 ]; do
   case $1 in
     --seeds) shift; SEEDS=(); while [ $# -gt 0 ] && [[ $1 =~ ^[0-9]+$ ]]; do SEEDS+=("$1"); shift; done
              [ ${#SEEDS[@]} -gt 0 ] || { echo "reproduce.sh: --seeds needs at least one integer" >&2; usage; } ;;
+    --methods) shift; while [ $# -gt 0 ] && [[ $1 != -* ]]; do METHODS+=("$1"); shift; done
+               [ ${#METHODS[@]} -gt 0 ] || { echo "reproduce.sh: --methods needs at least one name" >&2; usage; } ;;
     --root) [ $# -ge 2 ] || usage; ROOT=$2; shift 2 ;;
     --results) [ $# -ge 2 ] || usage; RESULTS=$2; shift 2 ;;
     --tables-only) TABLES_ONLY=1; shift ;;
@@ -56,6 +61,12 @@ while [ $# -gt 0 ]; do
     *) echo "reproduce.sh: unknown argument '$1'" >&2; usage ;;
   esac
 done
+for m in ${METHODS[@]+"${METHODS[@]}"}; do
+  [ "$TABLE" = portool ] || { echo "reproduce.sh: --methods applies to the portool table only" >&2; usage; }
+  [[ " ${PORTOOL_METHODS[*]} " == *" $m "* ]] || {
+    echo "reproduce.sh: unknown method '$m' for --methods (${PORTOOL_METHODS[*]})" >&2; usage; }
+done
+[ ${#METHODS[@]} -gt 0 ] || METHODS=("${PORTOOL_METHODS[@]}")
 [ -n "${NO_VENV:-}" ] || . launch/_env.sh
 export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR-$HOME/.cache/steprl_jax/jax}
@@ -269,7 +280,6 @@ run_swirl() {
 }
 
 # ----------------------------------------------------------------------------- PORTool
-PORTOOL_METHODS=(portool grpo grpo_fm dapo arpo arpo_fm gigpo tree_grpo portool_gamma0.9 portool_gamma1.0)
 PORTOOL_METRICS=(accuracy tool_steps unanswerable format_reward)
 # As launch/portool_compare.sh, with 8 iterations: n = 8 trajectories a query, 2 queries an
 # iteration (128 trajectories a method and seed), held-out evaluation of 96 queries.
@@ -316,7 +326,7 @@ EOF
 run_portool() {
   local warm=$ROOT/portool/warm_start method seed w rows=()
   for seed in "${SEEDS[@]}"; do
-    for method in "${PORTOOL_METHODS[@]}"; do
+    for method in "${METHODS[@]}"; do
       w=$ROOT/portool/$method/seed$seed
       [ -z "$TABLES_ONLY" ] || continue
       restore "$w" "${PORTOOL_FINAL[@]}"
