@@ -26,7 +26,7 @@
 # portool, on the tool world: one SFT warm start, then PORTool, GRPO, GRPO_fm, DAPO, ARPO, ARPO_fm,
 # GiGPO and Tree-GRPO from it, PORTool also at gamma 0.9 and 1.0; 8 iterations each, 96 held-out
 # queries; accuracy, tool-call steps, unanswerable rate, formatting reward, each method's paired
-# difference from the warm start and from GRPO. --methods runs only the methods named (e.g.
+# difference from the warm start, from GRPO and from PORTool. --methods runs only the methods named (e.g.
 # `--methods portool grpo` for the main comparison's seeds first); the tables still show every method.
 #
 # Disk: a finished run keeps its records, evaluations and metrics; its checkpoints and policies
@@ -349,6 +349,7 @@ run_portool() {
     --pair "portool vs portool_gamma0.9" --pair "portool vs portool_gamma1.0" \
     --pair "grpo_fm vs grpo" --pair "arpo_fm vs arpo"
   table "${rows[@]:2}" --reference grpo --metrics "${PORTOOL_METRICS[@]}" --out "$ROOT/portool/vs_grpo"
+  table "${rows[@]:2}" --reference portool --metrics "${PORTOOL_METRICS[@]}" --out "$ROOT/portool/vs_portool"
 }
 
 "run_$TABLE"

@@ -82,6 +82,8 @@ def test_portool_runs_kept_under_results_are_skipped_and_no_warm_start_is_made(t
     assert json.loads((kept / "table.json").read_text())["pairs"]["grpo_fm vs grpo"]["accuracy"]["value"] == 1 / 8
     vs_grpo = json.loads((kept / "vs_grpo.json").read_text())["rows"]
     assert "SFT (warm start)" not in vs_grpo and vs_grpo["portool"]["diff"]["accuracy"]["value"] == -1 / 8
+    vs_portool = json.loads((kept / "vs_portool.json").read_text())["rows"]
+    assert vs_portool["tree_grpo"]["diff"]["accuracy"]["value"] == pytest.approx((3 - 2) / 8)
 
 
 def test_tables_only_runs_nothing_and_tables_what_is_kept(tmp_path):
