@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gzip
 import json
 import math
 import os
@@ -43,7 +44,7 @@ def iter_text_lines(path: str | os.PathLike, error: type = DataFormatError) -> I
     """(line number, text) of each line of `path`, its newline kept. Each line is decoded on its
     own, so that bytes that are not UTF-8 are an `error` (default `DataFormatError`) naming the
     file and the line, not a bare UnicodeDecodeError."""
-    with open(path, "rb") as handle:
+    with (gzip.open if str(path).endswith(".gz") else open)(path, "rb") as handle:
         for number, raw in enumerate(handle, start=1):
             yield number, decode_line(raw, f"{path}:{number}", error)
 
@@ -155,14 +156,15 @@ def load_records(
     skip_malformed: bool = False,
     report: LoadReport | None = None,
 ) -> list[T]:
-    """Parse every line with `parse(value, where)`, where `where` is "file:line".
+    """Parse every line with `parse(value, where)`, where `where` is "file:line" (a `.gz` file is
+    read through gzip).
 
     A malformed line raises `DataFormatError`, or with `skip_malformed` is counted in
     `report` (and in a warning-free way: the caller decides what to print).
     """
     report = report if report is not None else LoadReport(path=str(path))
     records: list[T] = []
-    with open(path, "rb") as handle:
+    with (gzip.open if str(path).endswith(".gz") else open)(path, "rb") as handle:
         for number, raw in enumerate(handle, start=1):
             where = f"{path}:{number}"
             try:

@@ -1,5 +1,6 @@
 """Tool-call steps against the tool world's reference plans, on a kept evaluation (the PORTool
 table's warm start: results/reproduce/portool) and on hand-made records."""
+import gzip
 import json
 import os
 
@@ -8,6 +9,7 @@ import pytest
 from configs import portool_toolworld
 from steprl_jax.errors import ConfigError
 from steprl_jax.evaluation.plan_steps import main, steps_against_plans
+from steprl_jax.io import DataFormatError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WARM_START = os.path.join(ROOT, "results/reproduce/portool/portool/seed0/eval/iter_00000.trajectories.jsonl.gz")
@@ -44,3 +46,11 @@ def test_counts_by_hand():
 def test_queries_of_another_set_are_named():
     with pytest.raises(ConfigError, match=r"eval.jsonl: 1 query ids are not among the config's 2 queries \(first: 'c'\)"):
         steps_against_plans([_record("c", [], "true")], {"a": 2, "b": 2}, "eval.jsonl")
+
+
+def test_a_torn_line_is_named_with_its_file_and_line(tmp_path):
+    path = str(tmp_path / "eval.trajectories.jsonl.gz")
+    with gzip.open(path, "wt") as f:
+        f.write(json.dumps(_record("a", [], "true")) + "\n" + '{"query_id": "b", "st' + "\n")
+    with pytest.raises(DataFormatError, match=rf"{path}:2"):
+        main(_config(), [path])

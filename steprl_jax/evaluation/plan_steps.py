@@ -12,14 +12,12 @@ steps of calls and the final answer.
 """
 from __future__ import annotations
 
-import gzip
-import json
 import sys
 
 from steprl_jax.agents.tasks import split_config, toolworld_queries
 from steprl_jax.errors import ConfigError
 from steprl_jax.evaluation.compare import markdown_rows
-from steprl_jax.io import write_json_atomic
+from steprl_jax.io import DataFormatError, load_records, write_json_atomic
 
 
 def episode_steps(record: dict) -> int:
@@ -47,11 +45,6 @@ def steps_against_plans(records: list, plan_steps: dict, where: str = "trajector
     return {"all": summary(records), "correct": summary(correct), "wrong": summary(wrong)}
 
 
-def read_records(path: str) -> list:
-    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def table(results: dict) -> str:
     head = ["trajectories", "n", "steps", "plan steps", "fewer than plan", "more than plan",
             "correct: steps / plan", "wrong: steps / plan"]
@@ -66,7 +59,8 @@ def table(results: dict) -> str:
 def main(config, files: list, json_path: str | None = None) -> dict:
     _, queries = toolworld_queries(split_config(config, "test"))
     plan_steps = {q.id: len(q.plan) for q in queries}
-    results = {path: steps_against_plans(read_records(path), plan_steps, path) for path in files}
+    results = {path: steps_against_plans(load_records(path, lambda record, where: record), plan_steps, path)
+               for path in files}
     print(table(results))
     if json_path:
         write_json_atomic(json_path, results)
@@ -85,7 +79,7 @@ if __name__ == "__main__":
             sys.exit("plan_steps: name at least one trajectories file")
         try:
             main(_CONFIG.value, argv[1:], _JSON.value)
-        except (ConfigError, OSError) as err:
+        except (ConfigError, DataFormatError, OSError) as err:
             sys.exit(f"plan_steps: {err}")
 
     app.run(_run)
