@@ -515,7 +515,7 @@ def test_insert_beside_padding_rows_and_after_compaction(model):
     assert state.batch_bucket == 6
     state, gens = capped.generate(state, jax.random.PRNGKey(0), max_new_tokens=20, params=GREEDY)
     contexts = [p + g.tokens.tolist() for p, g in zip(prompts, gens)]
-    for round_ in range(3):  # each round: a row ends, a short prompt takes it; the cache compacts
+    for round_ in range(5):  # each round: a row ends, a short prompt takes it; the cache compacts
         row = round_ % 5
         state = capped.clear(state, [row])
         contexts[row] = [7 + round_, 8, 9]
@@ -528,11 +528,27 @@ def test_insert_beside_padding_rows_and_after_compaction(model):
     assert [g.tokens.tolist() for g in after] == [g.tokens.tolist() for g in fresh]
 
 
+def test_insert_takes_the_rows_own_slots_before_the_write_index(model, sampler):
+    """A running state whose write index is past the new prompt's width takes it in the target
+    rows' own (dropped) slots: the cache neither grows nor moves its index, and the new row
+    continues as a fresh prefill of its prompt would."""
+    state = sampler.prefill([list(range(10, 60)), [3, 4]])
+    state, _ = sampler.generate(state, jax.random.PRNGKey(0), max_new_tokens=4, params=GREEDY)
+    length, index = state.cache_length, state.index
+    state = sampler.insert(state, [1], [list(range(5, 30))])
+    assert (state.cache_length, state.index) == (length, index) and state.lengths[1] == 25
+    _, after = sampler.generate(state, jax.random.PRNGKey(0), max_new_tokens=6, params=GREEDY)
+    _, (fresh,) = sampler.generate(sampler.prefill([list(range(5, 30))]), jax.random.PRNGKey(0),
+                                   max_new_tokens=6, params=GREEDY)
+    assert after[1].tokens.tolist() == fresh.tokens.tolist()
+    np.testing.assert_allclose(after[1].logprobs, fresh.logprobs, atol=1e-5)
+
+
 def test_insert_into_a_full_cache_raises_and_leaves_the_state_intact(model):
     capped = Sampler(model, max_cache_length=64, min_cache_length=32)
     state = capped.prefill([list(range(10, 60)), [3, 4]])
-    with pytest.raises(ContextOverflowError, match="insert: 24 cache slots needed, 15 free"):
-        capped.insert(state, [1], [list(range(5, 30))])
+    with pytest.raises(ContextOverflowError, match="insert: 96 cache slots needed, 64 in the cache"):
+        capped.insert(state, [1], [list(range(5, 75))])
     _, gens = capped.generate(state, jax.random.PRNGKey(0), max_new_tokens=4, params=GREEDY)
     _, ref = capped.generate(capped.prefill([list(range(10, 60)), [3, 4]]), jax.random.PRNGKey(0),
                              max_new_tokens=4, params=GREEDY)

@@ -191,7 +191,7 @@ def _clear_impl(constrain, mask_b, cache):
 def _write_rows_impl(constrain, width: int, cache, last_b, src, src_last, target_rows, clear_b, at, src_at):
     """Rows `target_rows[j]` of `cache` take `src` row j's slots [src_at, src_at + width), written at
     [at, at + width), and its pending token (targets >= the batch: dropped). Rows in `clear_b`
-    are emptied first. The other rows' slots there are unwritten (empty) already."""
+    are emptied first. The other rows' slots there are kept as they are."""
     def put(big, small, axis):
         region = jax.lax.dynamic_slice_in_dim(big, at, width, axis=axis)
         new = jax.lax.dynamic_slice_in_dim(small, src_at, width, axis=axis)
@@ -202,7 +202,7 @@ def _write_rows_impl(constrain, width: int, cache, last_b, src, src_last, target
     k = tuple(put(x, y, 2) for x, y in zip(cache.k, src.k))
     v = tuple(put(x, y, 2) for x, y in zip(cache.v, src.v))
     last_b = last_b.at[target_rows].set(src_last, mode="drop")
-    return constrain(KVCache(k, v, slot_pos, (at + width).astype(jnp.int32))), last_b
+    return constrain(KVCache(k, v, slot_pos, jnp.maximum(cache.index, at + width).astype(jnp.int32))), last_b
 
 
 def _resize_impl(constrain, new_length: int, cache):
@@ -812,8 +812,13 @@ class Sampler:
                prefix: Optional[tuple] = None) -> SamplerState:
         """Start `prompts` in `rows` of a running `state` (what the rows held is dropped); the
         other rows are untouched. Only the new prompts are computed (a `prefill` of their own,
-        shared prefix once), then their cache rows are copied into `state` at its next slots.
-        Consumes `state`; raises `ContextOverflowError` (state intact) when the cache is full.
+        shared prefix once), then their cache rows are written into the target rows' own slots
+        just before the write index: those rows' old content is dropped, so the slots are free,
+        and an insert takes no new slots unless the prompt is longer than the running state
+        (then the index moves up to its width). Without this, every insert would widen every
+        row by the new prompt, and decode would attend over those empty slots.
+        Consumes `state`; raises `ContextOverflowError` (state intact) when the prompt does not
+        fit in the cache.
 
         `prefix`: (ids, one-row state from `prefill([ids])`), e.g. a system prompt every episode
         starts with, computed once and kept: prompts that start with `ids` (and go beyond them)
@@ -826,12 +831,17 @@ class Sampler:
         longest = max((len(p) for p in prompts), default=0)
         if not longest or longest > self.max_context:
             self.prefill(prompts)  # raises the error that names the prompt at fault
-        # The new rows take bucket(longest - 1) slots of every row: check before computing anything.
+        # The new rows take slots [at, at + width) of their own rows, width = bucket(longest - 1),
+        # ending at the write index where it is that far along: check before computing anything.
         width = bucket(max(longest - 1, 1), self.min_extend_length)
-        state, available = self._ensure_capacity(state, width)
-        if available < width:
-            raise ContextOverflowError(f"insert: {width} cache slots needed, {available} free "
-                                       f"(max_cache_length {self.max_cache_length})")
+        extra = max(0, width - state.index)
+        if extra:
+            state, _ = self._ensure_capacity(state, extra)
+            extra = max(0, width - state.index)  # a compaction lowers the index
+            if state.cache_length - state.index < extra:
+                raise ContextOverflowError(f"insert: {width} cache slots needed, {state.cache_length} in the "
+                                           f"cache (max_cache_length {self.max_cache_length})")
+        at = state.index + extra - width
         fresh = None
         if prefix is not None:
             ids, prefix_state = prefix
@@ -846,21 +856,22 @@ class Sampler:
         # The target rows' old slots are emptied, and so are the padding rows' (see `clear`).
         clear = np.arange(state.batch_bucket) >= state.num_rows
         clear[rows] = True
-        return self._write_rows(state, fresh, rows, width, src_at=0, clear=clear, kind="insert")
+        return self._write_rows(state, fresh, rows, width, src_at=0, clear=clear, kind="insert", at=at)
 
     def _write_rows(self, state: SamplerState, src: SamplerState, rows: np.ndarray, width: int, src_at: int,
-                    clear: np.ndarray, kind: str) -> SamplerState:
+                    clear: np.ndarray, kind: str, at: Optional[int] = None) -> SamplerState:
         """`state` whose `rows` are `src`'s rows 0.. (slots [src_at, src_at + width) written at
-        `state.index`); see `_write_rows_impl`."""
+        `at`, default `state.index`; the index becomes at least at + width); see `_write_rows_impl`."""
+        at = state.index if at is None else int(at)
         target = np.full(src.batch_bucket, state.batch_bucket, np.int32)  # padding rows: dropped
         target[:rows.size] = rows
         self._note(kind, (state.batch_bucket, state.cache_length, src.batch_bucket, src.cache_length, width))
         cache, last = self._write_rows_jit(width, state.cache, state.last_token, src.cache, src.last_token,
-                                           self._put_rows(target), self._put_rows(clear), jnp.int32(state.index),
+                                           self._put_rows(target), self._put_rows(clear), jnp.int32(at),
                                            jnp.int32(src_at))
         lengths, last_host = state.lengths.copy(), state.last_host.copy()
         lengths[rows], last_host[rows] = src.lengths[:rows.size], src.last_host[:rows.size]
-        return SamplerState(cache, last, lengths, state.index + width, last_host)
+        return SamplerState(cache, last, lengths, max(state.index, at + width), last_host)
 
     def _check_rows(self, state: SamplerState, rows, what: str) -> np.ndarray:
         rows = np.asarray(rows, np.int64).reshape(-1)
