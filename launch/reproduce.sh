@@ -330,12 +330,14 @@ run_portool() {
       w=$ROOT/portool/$method/seed$seed
       [ -z "$TABLES_ONLY" ] || continue
       restore "$w" "${PORTOOL_FINAL[@]}"
-      [ -f "$w/eval/iter_00008.metrics.json" ] && continue
-      portool_warm_start "$warm"
-      copy_missing "$warm" "$w" "${WARM_EVAL[@]}"
-      main --config=configs/portool_toolworld.py $(method_flags "$method") --config.workdir="$w" \
-        --config.seed="$seed" --config.rl.warm_start.source="$warm/policy/sft" "${PORTOOL_CPU[@]}" || failed "$w"
-      [ -f "$w/eval/iter_00008.metrics.json" ] || continue
+      if [ ! -f "$w/eval/iter_00008.metrics.json" ]; then
+        portool_warm_start "$warm"
+        copy_missing "$warm" "$w" "${WARM_EVAL[@]}"
+        main --config=configs/portool_toolworld.py $(method_flags "$method") --config.workdir="$w" \
+          --config.seed="$seed" --config.rl.warm_start.source="$warm/policy/sft" "${PORTOOL_CPU[@]}" || failed "$w"
+        [ -f "$w/eval/iter_00008.metrics.json" ] || continue
+      fi
+      # (also a run that finished but was stopped before this: keep never replaces a kept file)
       keep "$w" "${PORTOOL_FINAL[@]}" "${WARM_EVAL[@]}"
       prune "$w" policy
     done

@@ -295,4 +295,5 @@ def test_continuous_sampling_depends_on_the_episode_not_the_schedule():
         engine.close()
     _same_records(runs[True], runs[False], atol=1e-5)
     assert engine.stats.inserts == 3 and engine.stats.generate_calls >= 3 * 5  # 12 tokens in calls of 5
+    assert engine.stats.shrinks >= 1  # the last episode decoded alone, on a narrowed cache
     assert len({tuple(t.steps[0].action_ids) for t in runs[True]}) == 5  # distinct samples

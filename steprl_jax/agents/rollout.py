@@ -88,6 +88,7 @@ class RolloutStats:
     generate_calls: int = 0
     forks: int = 0
     inserts: int = 0  # continuous: episodes started in rows freed by others
+    shrinks: int = 0  # continuous: the cache narrowed to its live rows once nothing waits to start
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -233,6 +234,8 @@ class RolloutEngine:
 
         try:
             while queue or any(b is not None for b in rows):
+                if not queue and state is not None:
+                    state, rows = self._shrink(state, rows)
                 free = [r for r, b in enumerate(rows) if b is None]
                 if queue and admit and (state is None or free):
                     take = [queue.popleft() for _ in range(min(len(queue), c.batch_size if state is None else len(free)))]
@@ -275,6 +278,20 @@ class RolloutEngine:
         finally:
             for task in {episodes[i][1].id: episodes[i][1] for i in prompts}.values():
                 self.env.release(task)  # episodes in flight when the consumer stopped
+
+    def _shrink(self, state, rows: list):
+        """(state, rows) narrowed to the live rows when they fit in half the batch bucket: with no
+        episode left to start, ended episodes' rows would otherwise be decoded to the end with the
+        slowest one (each step reads every row's cache). Nothing is recomputed (`Sampler.fork`)."""
+        live = [r for r, b in enumerate(rows) if b is not None]
+        if not live or self.sampler.batch_bucket(len(live)) * 2 > state.batch_bucket:
+            return state, rows
+        state = self.sampler.fork(state, live)
+        rows = [rows[r] for r in live]
+        for row, branch in enumerate(rows):
+            branch.row = row
+        self.stats.shrinks += 1
+        return state, rows
 
     def _shared_prefix(self, prompt_ids: list):
         """(ids, one-row state) of the tokens the first prompts share (system prompt, tool list,

@@ -525,7 +525,8 @@ class Sampler:
         return jax.device_put(x, self._row_sharding if x.ndim == 1 else NamedSharding(
             self.mesh, PartitionSpec(self._row_sharding.spec[0], *([None] * (x.ndim - 1)))))
 
-    def _batch_bucket(self, n: int) -> int:
+    def batch_bucket(self, n: int) -> int:
+        """The batch bucket of `n` rows: programs are compiled per bucket, padding rows fill it."""
         return bucket(n, 1, self._dp)
 
     def _empty_cache(self, batch: int, length: int) -> KVCache:
@@ -589,8 +590,8 @@ class Sampler:
             # Compute the common prefix once (one row), copy its cache to every row, then append
             # each row's own rest: same values as prefilling every row, a fraction of the work.
             rest = max(p.size for p in prompts) - shared
-            slots_needed = (sum(self._chunks(shared - 1, self._batch_bucket(1), length, self._fused_prefill)[1])
-                            + sum(self._chunks(rest, self._batch_bucket(len(prompts)), length)[1]))
+            slots_needed = (sum(self._chunks(shared - 1, self.batch_bucket(1), length, self._fused_prefill)[1])
+                            + sum(self._chunks(rest, self.batch_bucket(len(prompts)), length)[1]))
             reserve = min(bucket(max(length, slots_needed), self.min_cache_length), self.max_cache_length)
             state = self._prefill_rows([prompts[0][:shared]], reserve)  # `append` compacts if needed
             state = self.fork(state, [0] * len(prompts))
@@ -599,7 +600,7 @@ class Sampler:
 
     def _prefill_rows(self, prompts: list, cache_length: int) -> SamplerState:
         n = len(prompts)
-        batch = self._batch_bucket(n)
+        batch = self.batch_bucket(n)
         last = np.zeros(batch, np.int32)
         last[:n] = [p[-1] for p in prompts]
         state = SamplerState(self._empty_cache(batch, cache_length), self._put_rows(last),
@@ -624,7 +625,7 @@ class Sampler:
         if not any(t.size for t in lists):
             return state
         active = np.asarray([i for i, t in enumerate(lists) if t.size], np.int64)
-        if self._batch_bucket(active.size) * 2 <= state.batch_bucket:
+        if self.batch_bucket(active.size) * 2 <= state.batch_bucket:
             # A few rows (e.g. one episode back from its tool): compute those rows only.
             done = self._append_rows(state, active, lists)
             if done is not None:
@@ -635,7 +636,7 @@ class Sampler:
         """Append to `rows` only: copy them out (`fork`), extend that small batch, and write their
         new slots back. None when the cache cannot make room for the padded widths."""
         total = max(lists[i].size for i in rows)
-        batch = self._batch_bucket(rows.size)
+        batch = self.batch_bucket(rows.size)
         _, widths = self._chunks(total, batch, max(state.cache_length, bucket(state.index + total, self.min_cache_length)))
         state, available = self._ensure_capacity(state, sum(widths))
         if available < sum(widths):
@@ -674,7 +675,7 @@ class Sampler:
         rows = self._check_rows(state, rows, "fork")
         if rows.size == 0:
             raise ValueError("fork: no rows")
-        cache, last = self._gather_rows(state, rows, self._batch_bucket(rows.size), "fork")
+        cache, last = self._gather_rows(state, rows, self.batch_bucket(rows.size), "fork")
         return SamplerState(cache, last, state.lengths[rows].copy(), state.index, state.last_host[rows].copy())
 
     def _widen(self, state: SamplerState, batch: int) -> SamplerState:
@@ -743,7 +744,7 @@ class Sampler:
         limit = wanted if max_steps is None else min(int(max_steps), wanted)
         needed = int(np.minimum(remaining, np.maximum(room, 0)).max(initial=0))
         state, _ = self._ensure_capacity(state, max(min(needed, limit), 1))
-        state = self._widen(state, self._batch_bucket(self.min_decode_batch))
+        state = self._widen(state, self.batch_bucket(self.min_decode_batch))
         B = state.batch_bucket
         max_new_b = np.zeros(B, np.int32)
         max_new_b[:n] = max_new
