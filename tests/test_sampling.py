@@ -544,6 +544,22 @@ def test_insert_takes_the_rows_own_slots_before_the_write_index(model, sampler):
     np.testing.assert_allclose(after[1].logprobs, fresh.logprobs, atol=1e-5)
 
 
+def test_insert_after_a_compaction_that_leaves_too_few_slots_grows_the_cache(model):
+    """A long row cleared leaves the index far above what the rows hold: making room for a long
+    prompt compacts first (the index drops to 9), which leaves fewer slots than the prompt needs;
+    the cache then grows instead of reporting itself full."""
+    small = Sampler(model, min_cache_length=16, min_extend_length=16)
+    state = small.prefill([list(range(10, 50)), list(range(60, 70))])  # index 39 of 48 slots
+    state = small.clear(state, [0])
+    prompt = list(range(100, 150))  # 64 slots
+    state = small.insert(state, [0], [prompt])
+    assert state.cache_length >= 64
+    _, after = small.generate(state, jax.random.PRNGKey(0), max_new_tokens=6, params=GREEDY)
+    _, fresh = small.generate(small.prefill([prompt, list(range(60, 70))]), jax.random.PRNGKey(0),
+                              max_new_tokens=6, params=GREEDY)
+    assert [g.tokens.tolist() for g in after] == [g.tokens.tolist() for g in fresh]
+
+
 def test_insert_into_a_full_cache_raises_and_leaves_the_state_intact(model):
     capped = Sampler(model, max_cache_length=64, min_cache_length=32)
     state = capped.prefill([list(range(10, 60)), [3, 4]])

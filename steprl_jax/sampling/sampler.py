@@ -835,13 +835,15 @@ class Sampler:
         # The new rows take slots [at, at + width) of their own rows, width = bucket(longest - 1),
         # ending at the write index where it is that far along: check before computing anything.
         width = bucket(max(longest - 1, 1), self.min_extend_length)
-        extra = max(0, width - state.index)
-        if extra:
+        extra = max(0, width - state.index)  # slots to add past the index
+        for _ in range(2):  # a compaction lowers the index, so more are needed: then it grows
+            if extra <= state.cache_length - state.index:
+                break
             state, _ = self._ensure_capacity(state, extra)
-            extra = max(0, width - state.index)  # a compaction lowers the index
-            if state.cache_length - state.index < extra:
-                raise ContextOverflowError(f"insert: {width} cache slots needed, {state.cache_length} in the "
-                                           f"cache (max_cache_length {self.max_cache_length})")
+            extra = max(0, width - state.index)
+        if extra > state.cache_length - state.index:
+            raise ContextOverflowError(f"insert: {width} cache slots needed, {state.cache_length} in the "
+                                       f"cache (max_cache_length {self.max_cache_length})")
         at = state.index + extra - width
         fresh = None
         if prefix is not None:
