@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from steprl_jax.models.attention import MASKED, attention, causal_attention
+from steprl_jax.models.attention import MASKED, attention, attention_with_shared, causal_attention
 
 
 def reference(q_btnh, k_bksh, v_bksh, bias_bts, *, scale, softcap):
@@ -71,3 +71,23 @@ def test_bf16_operands_stay_close_to_float32():
     for a, b in zip(grads[jnp.bfloat16], grads[jnp.float32]):
         assert a.dtype == jnp.float32
         assert float(jnp.max(jnp.abs(a - b))) <= 0.05 * float(jnp.max(jnp.abs(b)))
+
+
+@pytest.mark.parametrize("softcap", [None, 20.0])
+@pytest.mark.parametrize("boolean", [False, True])
+def test_attention_with_a_shared_segment_equals_attention_over_the_keys_joined(softcap, boolean):
+    """Each row's own keys, then P keys held once for all rows: the same as every row holding
+    its own copy of them, under one mask (rows that do not continue the segment mask it out)."""
+    rng = np.random.default_rng(5)
+    B, T, N, K, H, S, P = 3, 2, 4, 2, 8, 6, 5
+    q = jnp.asarray(rng.normal(size=(B, T, N, H)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(B, K, S, H)), jnp.float32) for _ in range(2))
+    shared_k, shared_v = (jnp.asarray(rng.normal(size=(K, P, H)), jnp.float32) for _ in range(2))
+    visible = rng.random((B, T, S + P)) < 0.7
+    visible[1, :, S:] = False  # row 1 is not on the segment
+    mask = jnp.asarray(visible) if boolean else jnp.asarray(np.where(visible, 0.0, MASKED), jnp.float32)
+    out = attention_with_shared(q, k, v, shared_k, shared_v, mask, scale=0.3, softcap=softcap, dtype=jnp.float32)
+    joined = lambda own, seg: jnp.concatenate([own, jnp.broadcast_to(seg, (B, K, P, H))], axis=2)  # noqa: E731
+    bias = jnp.asarray(np.where(visible, 0.0, MASKED), jnp.float32)
+    want = reference(q, joined(k, shared_k), joined(v, shared_v), bias, scale=0.3, softcap=softcap)
+    np.testing.assert_allclose(out, want, atol=1e-5)

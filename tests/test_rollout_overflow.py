@@ -44,7 +44,9 @@ def parts():
     tokenizer = read_gguf_tokenizer(resolve_source("smollm2-135m-instruct"))
     config = ModelConfig.tiny("llama", vocab_size=len(tokenizer), max_position_embeddings=CONTEXT,
                               eos_token_ids=(tokenizer.convert_tokens_to_ids("<|im_end|>"),))
-    sampler = Sampler(Transformer(config, rngs=nnx.Rngs(0)), tokenizer, max_context=CONTEXT)
+    # Prompts held whole in every row (no shared segment): the system prompt they share would
+    # otherwise be held once, and the page would fit beside big's row.
+    sampler = Sampler(Transformer(config, rngs=nnx.Rngs(0)), tokenizer, max_context=CONTEXT, min_shared_prefix=0)
     return sampler, tokenizer, LongPageEnv(ToolRegistry([calculator_tool()]))
 
 

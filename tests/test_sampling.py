@@ -129,9 +129,46 @@ def test_shared_prompt_prefix_is_prefilled_once_with_the_same_results(model):
         np.testing.assert_array_equal(a.tokens, b.tokens)
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
         np.testing.assert_allclose(a.logprobs, full_logprobs(model, prompt, a.tokens)[0], atol=1e-4)
-    # The header went through the model once (one row), not once per prompt.
+    # The header went through the model once (one row), not once per prompt, and is held once.
     assert any(k == "extend" and p.batch == 1 for k, p in shared._programs)
+    # (all but the last header token: one prompt is the header alone, and its last token is pending)
+    assert state_a.shared_ids.tolist() == header[:-1] and state_a.slots_held().tolist() == [len(p) - 40 for p in prompts]
     assert not any(k == "extend" and p.batch == 1 for k, p in separate._programs)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])  # gemma2: sliding-window layers over the segment, softcaps
+def test_rows_on_a_shared_segment_generate_as_rows_of_their_own(family):
+    """The shared prefix is held once (each row's cache holds its rest); rows on it, forked,
+    appended to one at a time, compacted, and rows inserted on and off it all generate what a
+    sampler without segments does, and what a full forward gives."""
+    model = Transformer(ModelConfig.tiny(family, eos_token_ids=()), rngs=nnx.Rngs(1))
+    rng = np.random.default_rng(4)
+    header = rng.integers(3, 200, size=45).tolist()  # longer than gemma2's window of 8
+    prompts = [header + rng.integers(3, 200, size=n).tolist() for n in (3, 11, 6)]
+    on, off = (Sampler(model, min_shared_prefix=m, min_cache_length=16, min_extend_length=8) for m in (32, 0))
+    params = SamplingParams(temperature=1.0)
+    keys = np.asarray(jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(2), i))(jnp.arange(4)))
+    runs = []
+    for s in (on, off):
+        state = s.prefill(prompts)
+        state, first = s.generate(state, keys[:3], max_new_tokens=5, params=params)
+        state = s.fork(state, [0, 1, 2, 1])  # row 3 branches off row 1
+        state = s.append(state, [[], [], [7, 8, 9], []])  # one row: copied out, extended, written back
+        state = s.clear(state, [0, 3])
+        state = s.insert(state, [0, 3], [header + [60, 61], [90, 91, 92]])  # on the segment, then off it
+        state, gens = s.generate(state, keys, max_new_tokens=30, params=params)  # grows or compacts
+        runs.append((state, first, gens))
+    (state_on, first_on, gens_on), (state_off, first_off, gens_off) = runs
+    assert state_off.shared is None and state_on.shared_ids.tolist() == header
+    assert state_on.row_shared.tolist() == [True, True, True, False]
+    assert state_on.cache_length < state_off.cache_length  # the rows hold their rests only
+    for a, b in zip(first_on + gens_on, first_off + gens_off):
+        assert a.tokens.tolist() == b.tokens.tolist()
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    contexts = [header + [60, 61], prompts[1] + first_on[1].tokens.tolist(),
+                prompts[2] + first_on[2].tokens.tolist() + [7, 8, 9], [90, 91, 92]]
+    for context, g in zip(contexts, gens_on):
+        np.testing.assert_allclose(g.logprobs, full_logprobs(model, context, g.tokens)[0], atol=1e-4)
 
 
 def test_shared_prefix_prefill_respects_the_cache_cap(model, sampler):

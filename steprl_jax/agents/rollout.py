@@ -243,7 +243,8 @@ class RolloutEngine:
                     if state is None:
                         first = [prompts[b.episode][1] for b in new]
                         state, rows = self.prefill(first), new
-                        prefix = self._shared_prefix(first) if queue else None
+                        # (a state with a shared segment starts the later prompts on it instead)
+                        prefix = self._shared_prefix(first) if queue and state.shared is None else None
                     else:
                         try:
                             state = self._insert(state, [b.row for b in new], [prompts[b.episode][1] for b in new],
@@ -312,7 +313,9 @@ class RolloutEngine:
         state = self.sampler.insert(state, rows, prompt_ids, prefix=prefix)
         jax.block_until_ready(state.cache)  # so that the prefill is timed as prefill
         self.stats.prefill_s += time.perf_counter() - t0
-        shared = len(prefix[0]) if prefix is not None and all(ids[:len(prefix[0])] == prefix[0] for ids in prompt_ids) else 0
+        known = state.shared_ids.tolist() if state.shared is not None else prefix[0] if prefix is not None else []
+        on_it = known and all(len(p) > len(known) and list(p[:len(known)]) == known for p in prompt_ids)
+        shared = len(known) if on_it else 0  # tokens computed once, before
         self.stats.prefill_tokens += sum(len(ids) - shared for ids in prompt_ids)
         self.stats.inserts += len(rows)
         return state

@@ -14,9 +14,11 @@ prefix common to all rows (the chat template's system prompt) as it does in ever
 
 Also measured: continuing a 1,500-token state by 50 tool tokens (`Sampler.append`) vs
 re-prefilling the 1,550 tokens; an 8-leaf fork of a 1,000-token prefix (one prefill + `fork`) vs
-8 independent prefills (one batched prefill of 8 rows, prefix sharing off). For those two cases
-the reference column is the naive strategy with our own model; `ratio` is always reference
-time / our time.
+8 independent prefills (one batched prefill of 8 rows, prefix sharing off); decoding 16 rows whose
+prompts share a 1,300-token prefix (a tool world's system prompt and tool list) and go on for
+100-175 tokens each, over the prefix held once (`SharedKV`) vs every row holding its own copy
+(what a prefill-once-and-fork gives). For those cases the reference column is the other strategy
+with our own model; `ratio` is always reference time / our time.
 
 The roofline is an estimate for this machine from a measured matmul rate (1024^3, in our compute
 dtype) and a measured memory bandwidth (256 MB): per decode step, max(FLOPs / rate, bytes /
@@ -151,7 +153,7 @@ def main(argv=None):
                                            params=greedy, stop_token_ids=[])
         assert all(len(g.tokens) == new_tokens for g in gens)
 
-    for batch in [int(b) for b in args.batches.split(",")]:
+    for batch in [int(b) for b in args.batches.split(",") if b]:  # --batches '': the other cases only
         prompts = [base[i % len(base)] for i in range(batch)]
         probe = {}
         for dtype in dtypes:
@@ -239,6 +241,43 @@ def main(argv=None):
                         reference="8 independent prefills (ours, one batch)"))
     rows.append(("fork 8 x 1000 prefix (vs 8 prefills)", 8, 8000 / t_fork, 8000 / t_indep, None))
     print(f"  fork: prefill once + fork = {t_fork * 1e3:.0f} ms, 8 prefills = {t_indep * 1e3:.0f} ms", flush=True)
+
+    # 16 rows on a 1,300-token shared prefix: decode over the prefix held once vs per-row copies.
+    text = (text_ids * (1 + 1700 // len(text_ids)))[:1700]
+    header, rests = text[:1300], [text[1300 + 10 * i:1400 + 15 * i] for i in range(16)]
+    key, steps = jax.random.PRNGKey(0), 64
+
+    def held_once():
+        return sampler.prefill([header + r for r in rests])
+
+    def copies():
+        return independent.append(independent.fork(independent.prefill([header]), [0] * 16), rests)
+
+    def decode16(which, make):
+        state = make()
+        jax.block_until_ready(state.cache.k)
+        kv = state.cache_bytes()
+        t0 = time.perf_counter()
+        _, gens = which.generate(state, key, max_new_tokens=steps, params=greedy, stop_token_ids=[])
+        return time.perf_counter() - t0, kv, [g.tokens.tolist() for g in gens]
+
+    decode16(sampler, held_once), decode16(independent, copies)  # compile
+    t_held, t_copies = [], []
+    for _ in range(args.reps):  # alternating: both see the same load
+        t, kv_held, tokens_held = decode16(sampler, held_once)
+        t_held.append(t)
+        t, kv_copies, tokens_copies = decode16(independent, copies)
+        t_copies.append(t)
+    t_held, t_copies = statistics.median(t_held), statistics.median(t_copies)
+    same = sum(a == b for a, b in zip(tokens_held, tokens_copies))
+    records.append(dict(case="decode_16_on_1300_shared", batch=16, ours_tokens_per_s=16 * steps / t_held,
+                        reference_tokens_per_s=16 * steps / t_copies, ratio=t_copies / t_held,
+                        reference="every row holding its own copy of the prefix (ours)",
+                        kv_bytes=kv_held, reference_kv_bytes=kv_copies, rows_with_identical_tokens=same))
+    rows.append(("decode 16 on 1300 shared (vs copies)", 16, 16 * steps / t_held, 16 * steps / t_copies, None))
+    print(f"  shared prefix: {steps} steps of 16 rows in {t_held * 1e3:.0f} ms over the prefix held once "
+          f"({kv_held / 2**20:.0f} MiB of K/V), {t_copies * 1e3:.0f} ms over per-row copies "
+          f"({kv_copies / 2**20:.0f} MiB); ratio {t_copies / t_held:.2f}; {same}/16 rows identical tokens", flush=True)
 
     print()
     print(f"SmolLM2-135M-Instruct, ours compute {args.dtype} (continue/fork: {dtypes[0]}), median of "

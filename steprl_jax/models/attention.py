@@ -142,23 +142,51 @@ def _core(q_bkmh, k_bksh, v_bksh, bias_bts, softcap, dtype):
 
 
 def _core_fwd(q_bkmh, k_bksh, v_bksh, bias_bts, softcap, dtype):
-    B, K, M, _ = q_bkmh.shape
-    T = bias_bts.shape[1]
     logits = einsum_f32("bkmh,bksh->bkms", q_bkmh, k_bksh, dtype)
+    probs, tanh = _masked_softmax(logits, bias_bts, softcap)
+    out = einsum_f32("bkms,bksh->bkmh", probs, v_bksh, dtype)
+    return out, (q_bkmh, k_bksh, v_bksh, probs, out, tanh)
+
+
+def _masked_softmax(logits_bkms, bias_bts, softcap):
+    """(probabilities [B, K, M, S], tanh of the softcap or None) of logits under the mask."""
+    B, K, M, _ = logits_bkms.shape
+    T = bias_bts.shape[1]
     tanh = None
     if softcap is not None:
-        tanh = jnp.tanh(logits / softcap)
-        logits = softcap * tanh
+        tanh = jnp.tanh(logits_bkms / softcap)
+        logits_bkms = softcap * tanh
     # + MASKED is exactly MASKED in float32 (|logits| is far below its ulp), as a `where` gives.
     # A boolean mask (accelerators: no [B, T, S] float32 bias) goes through the `where`.
-    logits = logits.reshape(B, K, T, M // T, -1)
+    logits = logits_bkms.reshape(B, K, T, M // T, -1)
     if bias_bts.dtype == jnp.bool_:
         logits = jnp.where(bias_bts[:, None, :, None, :], logits, MASKED)
     else:
         logits = logits + bias_bts[:, None, :, None, :]
-    probs = jax.nn.softmax(logits, axis=-1).reshape(B, K, M, -1)
-    out = einsum_f32("bkms,bksh->bkmh", probs, v_bksh, dtype)
-    return out, (q_bkmh, k_bksh, v_bksh, probs, out, tanh)
+    return jax.nn.softmax(logits, axis=-1).reshape(B, K, M, -1), tanh
+
+
+def attention_with_shared(q_btnh, k_bksh, v_bksh, shared_k_kph, shared_v_kph, bias_bts, *, scale: float,
+                          softcap: Optional[float], dtype):
+    """`attention` over each row's own S keys followed by P keys every row shares (a common
+    prompt prefix held once, `KVCache`'s shared segment): `bias_bts` [B, T, S + P] covers both.
+    The shared keys are read once for all rows, as one [K, B*M, H] x [K, P, H] product,
+    instead of once per row: a decode step of B rows reads B x S + P keys, not B x (S + P).
+    Exact (one softmax over the S + P logits). No backward pass of its own: sampling only."""
+    B, T, N, H = q_btnh.shape
+    K = k_bksh.shape[1]
+    G, S = N // K, k_bksh.shape[2]
+    M = T * G
+    q_bkmh = (q_btnh * scale).reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(B, K, M, H)
+    q_kmh = q_bkmh.transpose(1, 0, 2, 3).reshape(K, B * M, H)  # every row's queries against the shared keys
+    per_kv_head = lambda x: x.reshape(K, B, M, -1).transpose(1, 0, 2, 3)  # noqa: E731  [K, B*M, *] -> [B, K, M, *]
+    logits = jnp.concatenate([einsum_f32("bkmh,bksh->bkms", q_bkmh, k_bksh, dtype),
+                              per_kv_head(einsum_f32("kmh,kph->kmp", q_kmh, shared_k_kph, dtype))], axis=-1)
+    probs, _ = _masked_softmax(logits, bias_bts, softcap)
+    shared_probs = probs[..., S:].transpose(1, 0, 2, 3).reshape(K, B * M, -1)
+    out = (einsum_f32("bkms,bksh->bkmh", probs[..., :S], v_bksh, dtype)
+           + per_kv_head(einsum_f32("kmp,kph->kmh", shared_probs, shared_v_kph, dtype)))
+    return out.reshape(B, K, T, G, H)
 
 
 def _core_bwd(softcap, dtype, res, d_out):

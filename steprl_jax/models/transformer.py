@@ -27,7 +27,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from steprl_jax.models.config import ModelConfig, RopeConfig
 from steprl_jax.models import fused_attention
-from steprl_jax.models.attention import MASKED, attention, causal_attention, tree_mask
+from steprl_jax.models.attention import MASKED, attention, attention_with_shared, causal_attention, tree_mask
 from steprl_jax.ops.tree_attention import TreeRows
 from steprl_jax.ops.matmul import projection
 from steprl_jax.models import lora
@@ -101,12 +101,17 @@ class KVCache(NamedTuple):
     rows that have fewer new tokens than others are left-padded with empty slots
     (`slot_pos == -1`), which attention ignores. `slot_pos[b, s]` is the rotary
     position of the token held in slot `s` of row `b`.
+
+    With a `SharedKV` segment (a prompt prefix every row starts with, held once), `row_shared[b]`
+    says whether row b continues it: its queries then also see the segment's keys, and its own
+    slots hold only what follows the prefix.
     """
 
     k: tuple  # L arrays [B, K, S, H]: a kv head's keys contiguous, as attention reads them
     v: tuple  # L arrays [B, K, S, H]
     slot_pos: jax.Array  # [B, S] int32, -1 where empty
     index: jax.Array  # [] int32, next slot to write
+    row_shared: Optional[jax.Array] = None  # [B] bool where a shared segment exists
 
     @classmethod
     def init(cls, config: ModelConfig, batch: int, length: int, dtype=None) -> "KVCache":
@@ -123,10 +128,31 @@ class KVCache(NamedTuple):
         """Cache rows `rows` (e.g. [0, 0, 0, 1, 1, 1] forks two sequences three ways each)."""
         rows = jnp.asarray(rows, jnp.int32)
         return KVCache(tuple(k[rows] for k in self.k), tuple(v[rows] for v in self.v),
-                       self.slot_pos[rows], self.index)
+                       self.slot_pos[rows], self.index, None if self.row_shared is None else self.row_shared[rows])
 
     def bytes(self) -> int:
         return 2 * sum(k.size * k.dtype.itemsize for k in self.k) + self.slot_pos.size * 4
+
+
+class SharedKV(NamedTuple):
+    """Keys and values of a prompt prefix that rows of a `KVCache` share, held once: attention
+    reads them once per step for every row that continues them (`KVCache.row_shared`). Never
+    written after it is made, so sampling programs take it without donating it."""
+
+    k: tuple  # L arrays [K, P, H]
+    v: tuple  # L arrays [K, P, H]
+    pos: jax.Array  # [P] int32 rotary positions, -1 where empty
+
+    @classmethod
+    def from_row(cls, cache: KVCache, row: int = 0, slots: Optional[int] = None) -> "SharedKV":
+        """The segment held by row `row` of `cache` (e.g. a one-row prefill of the prefix), its
+        first `slots` slots (default: all)."""
+        cut = slice(0, slots)
+        return cls(tuple(k[row, :, cut] for k in cache.k), tuple(v[row, :, cut] for v in cache.v),
+                   cache.slot_pos[row, cut])
+
+    def bytes(self) -> int:
+        return 2 * sum(k.size * k.dtype.itemsize for k in self.k) + self.pos.size * 4
 
 
 def _param(rngs, shape, axes, init="normal", std=0.02):
@@ -255,7 +281,7 @@ class Transformer(nnx.Module):
         return self._final_norm(x)
 
     def extend(self, input_ids_bt, positions_bt, cache: KVCache, layer_params: Optional[tuple] = None,
-               fresh: bool = False):
+               fresh: bool = False, shared: Optional[SharedKV] = None):
         """Append T tokens per row to `cache`, returning (hidden [B, T, D], new cache).
 
         `positions_bt[b, t] == -1` marks a padding slot (a row with fewer new
@@ -267,7 +293,8 @@ class Transformer(nnx.Module):
 
         The layers run unrolled (each layer reads its own cache buffer in place). Pass
         `layer_params` (from `self.layers.unstacked()`, made once) to avoid slicing the stacked
-        weights at every call; the sampler does.
+        weights at every call; the sampler does. `shared`: the segment the rows with
+        `cache.row_shared` continue (their queries attend over it too).
         """
         input_ids_bt = jnp.asarray(input_ids_bt)
         positions_bt = jnp.asarray(positions_bt, jnp.int32)
@@ -275,20 +302,26 @@ class Transformer(nnx.Module):
         q_pos = jnp.maximum(positions_bt, 0)
         # Keys: all slots after writing the new tokens; empty slots have position -1.
         slot_pos = jax.lax.dynamic_update_slice(cache.slot_pos, positions_bt, (0, cache.index))
+        key_pos = slot_pos
+        if shared is not None:  # the segment's keys follow the row's own, visible to the rows that continue it
+            if cache.row_shared is None:
+                raise ValueError("extend: a shared segment needs a cache with `row_shared`")
+            key_pos = jnp.concatenate(
+                [slot_pos, jnp.where(cache.row_shared[:, None], shared.pos[None, :], -1)], axis=1)
         x = self._embed(input_ids_bt)
         impl = fused_attention.resolve(self.config.attention)
         rows = None
-        if fresh and fused_attention.takes(impl, False, False, self.config.attn_logit_softcap,
+        if fresh and shared is None and fused_attention.takes(impl, False, False, self.config.attn_logit_softcap,
                                            self.config.compute_dtype, right_padded=False):
             B, T = positions_bt.shape
             rows = TreeRows(positions_bt >= 0, jnp.zeros((B, T), jnp.int32), jnp.zeros((B, T), jnp.int32),
                             jnp.full((B, T), jnp.iinfo(jnp.int32).max), q_pos)
             mask_bts = None
         else:
-            mask_bts = (slot_pos[:, None, :] >= 0) & (slot_pos[:, None, :] <= q_pos[:, :, None])
-        x, cache_k, cache_v = self._run_layers_cached(x, q_pos, mask_bts, slot_pos, cache,
-                                                      layer_params or self.layers.unstacked(), rows, impl)
-        return self._final_norm(x), KVCache(cache_k, cache_v, slot_pos, cache.index + T)
+            mask_bts = (key_pos[:, None, :] >= 0) & (key_pos[:, None, :] <= q_pos[:, :, None])
+        x, cache_k, cache_v = self._run_layers_cached(x, q_pos, mask_bts, key_pos, cache,
+                                                      layer_params or self.layers.unstacked(), rows, impl, shared)
+        return self._final_norm(x), cache._replace(k=cache_k, v=cache_v, slot_pos=slot_pos, index=cache.index + T)
 
     def prefill(self, input_ids_bt, positions_bt, cache_length: int):
         cache = KVCache.init(self.config, input_ids_bt.shape[0], cache_length)
@@ -386,10 +419,10 @@ class Transformer(nnx.Module):
         return x
 
     def _run_layers_cached(self, x, q_pos_bt, mask_bts, key_pos_bs, cache: KVCache, layer_params: tuple,
-                           rows: Optional[TreeRows] = None, impl: str = "xla"):
+                           rows: Optional[TreeRows] = None, impl: str = "xla", shared: Optional[SharedKV] = None):
         """All layers, unrolled; each writes the new tokens' keys and values into its cache
-        buffer (in place under donation), then attends over that buffer, or (`rows`: a fresh
-        cache) over the new tokens with a fused kernel."""
+        buffer (in place under donation), then attends over that buffer (and `shared`), or
+        (`rows`: a fresh cache) over the new tokens with a fused kernel."""
         c = self.config
         dtype = jnp.dtype(c.compute_dtype)
         if rows is None:
@@ -397,13 +430,14 @@ class Transformer(nnx.Module):
         else:
             global_, local = ((*rope, None) for rope in self._ropes(q_pos_bt))
         cache_k, cache_v = [], []
-        for p, is_sliding, k_buf, v_buf in zip(layer_params, c.layer_is_sliding, cache.k, cache.v):
+        for i, (p, is_sliding, k_buf, v_buf) in enumerate(zip(layer_params, c.layer_is_sliding, cache.k, cache.v)):
             cos, sin, bias = local if is_sliding else global_
             fused = None if rows is None else functools.partial(
                 fused_attention.attend, rows=rows, impl=impl, tree=False, scale=c.attn_scale,
                 softcap=c.attn_logit_softcap, window=c.sliding_window if is_sliding else None)
             x, (k_buf, v_buf) = _decoder_layer(c, dtype, p, x, cos, sin, bias, (k_buf, v_buf, cache.index),
-                                               fused=fused)
+                                               fused=fused,
+                                               shared=None if shared is None else (shared.k[i], shared.v[i]))
             cache_k.append(k_buf)
             cache_v.append(v_buf)
         return x, tuple(cache_k), tuple(cache_v)
@@ -466,10 +500,12 @@ def _write_slots(buf_bksh, new_bkth, index):
     return bits(out, buf_bksh.dtype)
 
 
-def _decoder_layer(c: ModelConfig, dtype, p: dict, x, cos, sin, bias_bts, cached, key_blocks=None, fused=None):
+def _decoder_layer(c: ModelConfig, dtype, p: dict, x, cos, sin, bias_bts, cached, key_blocks=None, fused=None,
+                   shared=None):
     """One layer. `cached` is None (attend over the T tokens themselves) or this layer's cache
     (k, v buffers [B, K, S, H], index): the new keys and values are written at slots
-    [index, index + T) first, then the queries attend over all S slots. Writing before reading
+    [index, index + T) first, then the queries attend over all S slots (and the shared segment's
+    (k, v) [K, P, H], `shared`, after them). Writing before reading
     lets XLA update the buffers in place (a read of the old buffer would force a copy).
     `fused` (q, k, v [B, T, *, H]) -> [B, T, N, H] replaces the full-sequence attention.
 
@@ -502,7 +538,8 @@ def _decoder_layer(c: ModelConfig, dtype, p: dict, x, cos, sin, bias_bts, cached
         k_buf = _write_slots(k_buf, k.transpose(0, 2, 1, 3), index)
         v_buf = _write_slots(v_buf, v.transpose(0, 2, 1, 3), index)
         kv = (k_buf, v_buf)
-        attn = attention(q, k_buf, v_buf, bias_bts, **attend)
+        attn = (attention(q, k_buf, v_buf, bias_bts, **attend) if shared is None
+                else attention_with_shared(q, k_buf, v_buf, *shared, bias_bts, **attend))
     # A plain [B*T, N*H] x [N*H, D] matmul on the row-major weight (a free reshape): with an
     # einsum over (n, h), XLA:CPU chose to transpose the weight instead, a copy at every step.
     B, T, N, H = q.shape

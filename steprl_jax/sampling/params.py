@@ -98,6 +98,7 @@ class ExtendProgram:
     length: int  # new tokens per row (bucketed)
     cache_length: int
     fresh: bool = False  # an empty cache (a prefill's first chunk): fused attention where there is one
+    shared: int = 0  # slots of the shared segment the rows attend over beside their own
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,3 +115,4 @@ class DecodeProgram:
     stop_ids: tuple  # stop token ids (EOS)
     stop_states: int  # rows of the stop-string table (0: no stop strings)
     max_context: int
+    shared: int = 0  # slots of the shared segment the rows attend over beside their own
