@@ -372,6 +372,26 @@ def test_sharded_parameters_and_batch(model, sampler):
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
 
 
+def test_a_shared_segment_on_a_mesh(model, sampler):
+    """The segment is replicated over the batch axes (its kv heads split like the rows'): rows on
+    it, sharded, generate what the unsharded sampler does."""
+    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+    s = Sampler(shard_model(nnx.clone(model), mesh), mesh=mesh)
+    header = list(range(60, 100))
+    prompts = [header + [5, 6], header + [7], header + [8, 9, 10]]
+    key = jax.random.PRNGKey(6)
+    state, gens = s.generate(s.prefill(prompts), key, max_new_tokens=8, params=GREEDY)
+    assert state.shared is not None and state.cache.row_shared.sharding.spec[0] == ("data", "fsdp")
+    state = s.insert(s.clear(state, [1]), [1], [header + [11, 12]])
+    _, more = s.generate(state, key, max_new_tokens=6, params=GREEDY)
+    r_state, r_gens = sampler.generate(sampler.prefill(prompts), key, max_new_tokens=8, params=GREEDY)
+    r_state = sampler.insert(sampler.clear(r_state, [1]), [1], [header + [11, 12]])
+    _, r_more = sampler.generate(r_state, key, max_new_tokens=6, params=GREEDY)
+    for a, b in zip(gens + more, r_gens + r_more):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
 def test_bf16_recorded_logprobs_equal_the_trainers_recomputation():
     """bf16 compute: weights cast once by the sampler; a full forward + token_logprobs (the
     trainer's path, float32 parameters) gives the same log-probs."""
