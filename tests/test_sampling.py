@@ -649,6 +649,26 @@ def test_appending_to_a_few_rows_computes_those_rows_only_with_the_same_results(
     np.testing.assert_allclose(after[2].logprobs, fresh[2].logprobs, atol=1e-5)
 
 
+def test_appending_to_a_row_with_free_slots_below_the_index_takes_those(model, sampler):
+    """A row restarted by `insert` has its old slots free below the new prompt: an observation
+    appended to it alone goes there, so the cache neither grows nor moves its index (the other
+    rows are not widened), and every row goes on as a fresh prefill of its context would."""
+    prompts = [list(range(10, 90)), [3, 4], [5, 6, 7]]
+    state, gens = sampler.generate(sampler.prefill(prompts), jax.random.PRNGKey(0), max_new_tokens=4, params=GREEDY)
+    contexts = [p + g.tokens.tolist() for p, g in zip(prompts, gens)]
+    state = sampler.insert(sampler.clear(state, [1]), [1], [[20, 21, 22, 23, 24]])
+    contexts[1] = [20, 21, 22, 23, 24]
+    assert state.free_slots()[1] >= 16
+    length, index = state.cache_length, state.index
+    state = sampler.append(state, [[], list(range(30, 40)), []])
+    contexts[1] += list(range(30, 40))
+    assert (state.cache_length, state.index) == (length, index)
+    _, after = sampler.generate(state, jax.random.PRNGKey(0), max_new_tokens=6, params=GREEDY)
+    _, fresh = sampler.generate(sampler.prefill(contexts), jax.random.PRNGKey(0), max_new_tokens=6, params=GREEDY)
+    assert [g.tokens.tolist() for g in after] == [g.tokens.tolist() for g in fresh]
+    np.testing.assert_allclose(after[1].logprobs, fresh[1].logprobs, atol=1e-5)
+
+
 def test_insert_with_a_kept_prefix_equals_a_plain_insert(model, sampler):
     shared = [50, 51, 52, 53, 54, 55]
     prefix = (shared, sampler.prefill([shared]))

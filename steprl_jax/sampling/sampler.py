@@ -107,6 +107,8 @@ class SamplerState:
     the host's copy of the pending tokens (so `append` never reads them back from the device).
     `shared`: the prompt prefix rows may continue (see the module docstring), its tokens
     `shared_ids`, and which rows continue it (`row_shared`, host copy of `cache.row_shared`).
+    `free_below[b]`: slots [0, free_below[b]) of row b are known to be empty (a compaction or an
+    insert left them so), where an append to a few rows can go without widening the others.
     """
 
     cache: KVCache
@@ -117,6 +119,10 @@ class SamplerState:
     shared: Optional[SharedKV] = None
     shared_ids: Optional[np.ndarray] = None  # [P] int64, host
     row_shared: Optional[np.ndarray] = None  # [num_rows] bool, host
+    free_below: Optional[np.ndarray] = None  # [num_rows] int64, host; None: none known
+
+    def free_slots(self) -> np.ndarray:
+        return np.zeros(self.num_rows, np.int64) if self.free_below is None else self.free_below
 
     def slots_held(self) -> np.ndarray:
         """Cache slots each row fills: its tokens but the pending one, less the shared segment's."""
@@ -591,6 +597,8 @@ class Sampler:
             self._note("compact", (state.batch_bucket, length, target))
             cache, length, index = self._compact_jit(target, cache), target, filled
             log.debug("sampler: compacted the cache to %d filled of %d slots", filled, target)
+            # Each row's slots now end at `filled`: the ones below them are empty.
+            state = dataclasses.replace(state, free_below=filled - state.slots_held())
         state = dataclasses.replace(state, cache=cache, index=index)
         return state, max(0, min(needed_slots, length - index))
 
@@ -681,10 +689,22 @@ class Sampler:
 
     def _append_rows(self, state: SamplerState, rows: np.ndarray, lists: list) -> Optional[SamplerState]:
         """Append to `rows` only: copy them out (`fork`), extend that small batch, and write their
-        new slots back. None when the cache cannot make room for the padded widths."""
+        new slots back: into slots those rows have free below the index when they have enough
+        (the others are not widened), else at the index. None when the cache cannot make room
+        for the padded widths."""
         total = max(lists[i].size for i in rows)
         batch = self.batch_bucket(rows.size)
         _, widths = self._chunks(total, batch, max(state.cache_length, bucket(state.index + total, self.min_cache_length)))
+        free = int(state.free_slots()[rows].min())
+        if free >= sum(widths):
+            small = self.fork(state, rows)
+            small, available = self._ensure_capacity(small, sum(widths))
+            if available >= sum(widths):
+                start = small.index
+                small = self._append_all(small, [lists[i] for i in rows])
+                clear = np.zeros(state.batch_bucket, bool)
+                return self._write_rows(state, small, rows, small.index - start, src_at=start, clear=clear,
+                                        kind="append-rows", at=free - (small.index - start))
         state, available = self._ensure_capacity(state, sum(widths))
         if available < sum(widths):
             return None
@@ -725,7 +745,8 @@ class Sampler:
         cache, last = self._gather_rows(state, rows, self.batch_bucket(rows.size), "fork")
         return dataclasses.replace(state, cache=cache, last_token=last, lengths=state.lengths[rows].copy(),
                                    last_host=state.last_host[rows].copy(),
-                                   row_shared=None if state.row_shared is None else state.row_shared[rows].copy())
+                                   row_shared=None if state.row_shared is None else state.row_shared[rows].copy(),
+                                   free_below=None if state.free_below is None else state.free_below[rows].copy())
 
     def _widen(self, state: SamplerState, batch: int) -> SamplerState:
         """`state` with at least `batch` cache rows; the added rows are padding (copies of row 0)."""
@@ -860,7 +881,9 @@ class Sampler:
         row_shared = None if state.row_shared is None else state.row_shared.copy()
         if row_shared is not None:
             row_shared[rows] = False  # they hold nothing (until `insert` says what they continue)
-        return dataclasses.replace(state, cache=cache, lengths=lengths, row_shared=row_shared)
+        free = state.free_slots().copy()
+        free[rows] = state.index
+        return dataclasses.replace(state, cache=cache, lengths=lengths, row_shared=row_shared, free_below=free)
 
     def insert(self, state: SamplerState, rows: Sequence[int], prompts: Sequence[Sequence[int]],
                prefix: Optional[tuple] = None) -> SamplerState:
@@ -942,8 +965,11 @@ class Sampler:
         row_shared = None if state.row_shared is None else state.row_shared.copy()
         if row_shared is not None:
             row_shared[rows] = False if src.row_shared is None else src.row_shared[:rows.size]
+        free = state.free_slots().copy()  # the rows' slots below `at` stay as they were (emptied: free)
+        free[rows] = np.where(clear[rows], at, np.minimum(free[rows], at))
         return dataclasses.replace(state, cache=cache, last_token=last, lengths=lengths,
-                                   index=max(state.index, at + width), last_host=last_host, row_shared=row_shared)
+                                   index=max(state.index, at + width), last_host=last_host, row_shared=row_shared,
+                                   free_below=free)
 
     def _check_rows(self, state: SamplerState, rows, what: str) -> np.ndarray:
         rows = np.asarray(rows, np.int64).reshape(-1)
