@@ -171,6 +171,22 @@ def test_rows_on_a_shared_segment_generate_as_rows_of_their_own(family):
         np.testing.assert_allclose(g.logprobs, full_logprobs(model, context, g.tokens)[0], atol=1e-4)
 
 
+def test_a_mixed_insert_that_does_not_fit_raises_and_leaves_the_state_intact(model):
+    """Prompts on the segment and off it are inserted in two writes: both are checked first, so
+    an error leaves the running state as it was. Cleared rows leave the segment (on device too)."""
+    capped = Sampler(model, max_cache_length=64, min_cache_length=16, min_extend_length=16, min_shared_prefix=8)
+    header = list(range(100, 140))
+    prompts = [header + [5, 6], header + [7, 8, 9]]
+    cleared = capped.clear(capped.prefill(prompts), [1])
+    assert np.asarray(cleared.cache.row_shared)[:2].tolist() == [True, False]
+    state = capped.prefill(prompts)
+    with pytest.raises(ContextOverflowError, match="insert: 96 cache slots needed, at most 64"):
+        capped.insert(state, [0, 1], [header + [10, 11], list(range(3, 73))])
+    _, gens = capped.generate(state, jax.random.PRNGKey(0), max_new_tokens=4, params=GREEDY)
+    _, ref = capped.generate(capped.prefill(prompts), jax.random.PRNGKey(0), max_new_tokens=4, params=GREEDY)
+    assert [g.tokens.tolist() for g in gens] == [g.tokens.tolist() for g in ref]
+
+
 def test_shared_prefix_prefill_respects_the_cache_cap(model, sampler):
     header = list(range(3, 43))
     prompts = [header + list(range(start, start + n)) for start, n in ((50, 5), (100, 20))]

@@ -314,9 +314,11 @@ class RolloutEngine:
         jax.block_until_ready(state.cache)  # so that the prefill is timed as prefill
         self.stats.prefill_s += time.perf_counter() - t0
         known = state.shared_ids.tolist() if state.shared is not None else prefix[0] if prefix is not None else []
-        on_it = known and all(len(p) > len(known) and list(p[:len(known)]) == known for p in prompt_ids)
-        shared = len(known) if on_it else 0  # tokens computed once, before
-        self.stats.prefill_tokens += sum(len(ids) - shared for ids in prompt_ids)
+        on_it = [bool(known) and len(p) > len(known) and list(p[:len(known)]) == known for p in prompt_ids]
+        if state.shared is None and not all(on_it):
+            on_it = [False] * len(prompt_ids)  # a kept prefix serves a whole insert or none of it
+        # tokens computed once, before, are not counted again
+        self.stats.prefill_tokens += sum(len(ids) - len(known) * on for ids, on in zip(prompt_ids, on_it))
         self.stats.inserts += len(rows)
         return state
 

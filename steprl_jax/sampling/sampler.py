@@ -211,7 +211,8 @@ def _take_rows_impl(constrain, rows, cache, last_token):
 
 
 def _clear_impl(constrain, mask_b, cache):
-    return constrain(cache._replace(slot_pos=jnp.where(mask_b[:, None], -1, cache.slot_pos)))
+    row_shared = None if cache.row_shared is None else cache.row_shared & ~mask_b  # they hold nothing
+    return constrain(cache._replace(slot_pos=jnp.where(mask_b[:, None], -1, cache.slot_pos), row_shared=row_shared))
 
 
 def _write_rows_impl(constrain, width: int, cache, last_b, src, src_last, target_rows, clear_b, at, src_at):
@@ -694,21 +695,29 @@ class Sampler:
         for the padded widths."""
         total = max(lists[i].size for i in rows)
         batch = self.batch_bucket(rows.size)
-        _, widths = self._chunks(total, batch, max(state.cache_length, bucket(state.index + total, self.min_cache_length)))
+        rows_lists = [lists[i] for i in rows]
+        need = sum(self._feed_plan(state, total, batch)[1])  # what `_feed` will write into the copy
         free = int(state.free_slots()[rows].min())
-        if free >= sum(widths):
-            small = self.fork(state, rows)
-            small, available = self._ensure_capacity(small, sum(widths))
-            if available >= sum(widths):
+        if need <= free:
+            small, available = self._ensure_capacity(self.fork(state, rows), need)
+            if available >= need and sum(self._feed_plan(small, total)[1]) == need:
                 start = small.index
-                small = self._append_all(small, [lists[i] for i in rows])
-                clear = np.zeros(state.batch_bucket, bool)
-                return self._write_rows(state, small, rows, small.index - start, src_at=start, clear=clear,
-                                        kind="append-rows", at=free - (small.index - start))
-        state, available = self._ensure_capacity(state, sum(widths))
-        if available < sum(widths):
+                small = self._append_all(small, rows_lists)
+                if small.index - start == need:
+                    clear = np.zeros(state.batch_bucket, bool)
+                    return self._write_rows(state, small, rows, need, src_at=start, clear=clear,
+                                            kind="append-rows", at=free - need)
+        for _ in range(2):  # making room may change the plan (its chunks depend on the cache length)
+            state, available = self._ensure_capacity(state, need)
+            if available < need:
+                return None
+            again = sum(self._feed_plan(state, total, batch)[1])
+            if again <= need:
+                break
+            need = again
+        else:
             return None
-        small = self._append_all(self.fork(state, rows), [lists[i] for i in rows])
+        small = self._append_all(self.fork(state, rows), rows_lists)
         clear = np.zeros(state.batch_bucket, bool)
         return self._write_rows(state, small, rows, small.index - state.index, src_at=state.index, clear=clear,
                                 kind="append-rows")
@@ -913,6 +922,13 @@ class Sampler:
         P = 0 if state.shared is None else len(state.shared_ids)
         on = np.asarray([P > 0 and p.size > P and np.array_equal(p[:P], state.shared_ids) for p in prompts])
         if on.any() and not on.all():  # those on the segment, then the others
+            # Both must fit before the first is written (a write consumes `state`).
+            for group, held in ((on, P), (~on, 0)):
+                width = bucket(max(max(p.size for p, g in zip(prompts, group) if g) - 1 - held, 1),
+                               self.min_extend_length)
+                if width > self.max_cache_length:
+                    raise ContextOverflowError(f"insert: {width} cache slots needed, at most {self.max_cache_length} "
+                                               f"in the cache (max_cache_length)")
             state = self.insert(state, rows[on], [p for p, o in zip(prompts, on) if o])
             return self.insert(state, rows[~on], [p for p, o in zip(prompts, on) if not o], prefix)
         on_segment = bool(on.all())
@@ -1041,6 +1057,14 @@ class Sampler:
         sizes = [first] + [min(chunk, total - lo) for lo in range(first, total, chunk)]
         return sizes, [bucket(c, self.min_extend_length) for c in sizes]
 
+    def _feed_plan(self, state: SamplerState, total: int, batch: Optional[int] = None) -> tuple[list, list, bool]:
+        """(chunk sizes, their widths in slots, fused first chunk) `_feed` uses for `total` new tokens
+        per row of `state` (or of a `batch`-row copy of it)."""
+        fresh = state.index == 0 and self._fused_prefill and state.shared is None
+        P = 0 if state.shared is None else state.shared.pos.shape[0]  # attended over beside the slots
+        slots = max(state.cache_length, bucket(state.index + total, self.min_cache_length)) + P
+        return (*self._chunks(total, batch or state.batch_bucket, slots, fresh=fresh), fresh)
+
     def _feed(self, state: SamplerState, feeds: Sequence[np.ndarray], start_positions) -> SamplerState:
         """Write `feeds[b]` (at positions start_positions[b], ...) into the cache, right-aligned
         across rows, in chunks of at most `prefill_chunk` tokens (each bucketed)."""
@@ -1048,10 +1072,8 @@ class Sampler:
         if total == 0:
             return state
         B = state.batch_bucket
-        fresh = state.index == 0 and self._fused_prefill and state.shared is None
-        P = 0 if state.shared is None else state.shared.pos.shape[0]  # attended over beside the slots
-        slots = max(state.cache_length, bucket(state.index + total, self.min_cache_length)) + P
-        sizes, widths = self._chunks(total, B, slots, fresh=fresh)
+        sizes, widths, fresh = self._feed_plan(state, total)
+        P = 0 if state.shared is None else state.shared.pos.shape[0]
         state, available = self._ensure_capacity(state, sum(widths))
         if available < sum(widths):  # at the cache cap: no bucket padding
             state, available = self._ensure_capacity(state, total)
