@@ -191,6 +191,8 @@ def parse(argv=None):
     p.add_argument("--decode-batch", type=int, help="rows sampled at once over the slice, each host its share "
                                                     "(0: no sampler programs)")
     p.add_argument("--context", type=int, help="sampler context (cache slots)")
+    p.add_argument("--shared-prefix", type=int, help="prompt tokens all rows share (system prompt, tool list), "
+                                                     "held once beside the rows")
     p.add_argument("--sampler-mesh", default="", help="the sampler's mesh over one host's chips, e.g. tensor=4,fsdp=0 "
                                                      "(default: tensor over the kv heads it divides, fsdp the rest)")
     p.add_argument("--lora-rank", type=int, help="train LoRA adapters of this rank (0: every weight)")
@@ -211,7 +213,7 @@ def parse(argv=None):
             model=args.model or None, batch=args.batch, length=args.length,
             tree=None if args.rows is None else args.rows == "tree", dtype=args.dtype, attention=args.attention,
             remat=args.remat, microbatches=args.microbatches, max_microbatch_tokens=args.max_microbatch_tokens,
-            decode_batch=args.decode_batch, context=args.context, lora_rank=args.lora_rank, kl=args.kl,
+            decode_batch=args.decode_batch, context=args.context, shared_prefix=args.shared_prefix, lora_rank=args.lora_rank, kl=args.kl,
             mesh=_sizes(args.mesh, "--mesh") if args.mesh else None,
             sampler_mesh=_sizes(args.sampler_mesh, "--sampler-mesh") if args.sampler_mesh else None).items()
             if v is not None}

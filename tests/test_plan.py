@@ -42,6 +42,17 @@ def test_plan_full_fine_tuning_and_lora(tmp_path):
     assert lora["programs"]["train_step"]["peak"] < step["peak"]
 
 
+def test_plan_a_sampler_whose_rows_share_a_prompt_prefix(tmp_path):
+    """--shared-prefix: the prefix is held once per host (its kv heads split like the rows'), each
+    row holds the rest of the context; the decode program compiles over both."""
+    plan, _ = _plan(tmp_path, "--decode-batch", "8", "--context", "1024", "--shared-prefix", "512",
+                    "--programs", "decode")
+    rows = 16 * 2 * 8 * 512 * 8 * 64 * 2 // 4 + 8 * 512 * 4  # 512 own slots a row
+    segment = 16 * 2 * 512 * 8 * 64 * 2 // 4 + 512 * 4  # one copy: layers x (k, v) x slots x kv heads x dim
+    assert plan["sampler_resident"]["kv_cache"] == rows + segment
+    assert plan["programs"]["decode"]["peak"] > 0
+
+
 def test_cloud_names_map_to_topologies():
     assert (target("v5e-8").topology, target("v5e-8").chips, target("v5e-8").hosts) == ("v5e:2x4", 8, 1)
     assert (target("v5litepod-16").topology, target("v5litepod-16").hosts) == ("v5e:4x4", 4)

@@ -52,6 +52,7 @@ class Setup:
     context: int = 0
     prefill_chunk: int = 512
     decode_chunk: int = 256
+    shared_prefix: int = 0  # prompt tokens every row shares (system prompt, tools), held once (`SharedKV`)
 
 
 def mesh_sizes(spec: tuple, devices: int) -> dict:
@@ -222,7 +223,7 @@ def _sampler_programs(setup, cfg, mesh, devices, host_devices, wanted, figures, 
 
     from steprl_jax.models import fused_attention
     from steprl_jax.models.sharding import LOGICAL_AXIS_RULES, state_shardings
-    from steprl_jax.models.transformer import KVCache, Transformer
+    from steprl_jax.models.transformer import KVCache, SharedKV, Transformer
     from steprl_jax.sampling import sampler as sampler_lib
     from steprl_jax.sampling.params import DecodeProgram, ExtendProgram, bucket
     from steprl_jax.training.distributed import host_split_spec
@@ -252,14 +253,27 @@ def _sampler_programs(setup, cfg, mesh, devices, host_devices, wanted, figures, 
     shard = sampler_lib.cache_shardings(host, LOGICAL_AXIS_RULES, cfg.num_kv_heads)
     constrain = functools.partial(sampler_lib.constrain_cache, shard)
     dp = sampler_lib.data_parallel(host, LOGICAL_AXIS_RULES)
-    B, S = -(-setup.decode_batch // (len(groups) * dp)) * dp, setup.context  # this host's rows
+    B = -(-setup.decode_batch // (len(groups) * dp)) * dp  # this host's rows
+    P = bucket(setup.shared_prefix, 16) if setup.shared_prefix else 0  # the shared segment's slots
+    S = setup.context - setup.shared_prefix  # each row's own slots: what follows the shared prefix
+    if S < 1:
+        raise ValueError(f"--shared-prefix {setup.shared_prefix} leaves no slots of the context {setup.context}")
     out["sampler_rows_per_host"] = B
     cache = jax.eval_shape(lambda: KVCache.init(cfg, B, S, dtype))
     sds = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)  # noqa: E731
     cache = KVCache(tuple(sds(x, shard[2]) for x in cache.k), tuple(sds(x, shard[2]) for x in cache.v),
-                    sds(cache.slot_pos, shard[1]), jax.ShapeDtypeStruct((), jnp.int32, sharding=shard[3]))
+                    sds(cache.slot_pos, shard[1]), jax.ShapeDtypeStruct((), jnp.int32, sharding=shard[3]),
+                    jax.ShapeDtypeStruct((B,), jnp.bool_, sharding=shard[0]) if P else None)
+    shared, segment = None, []
+    if P:  # one copy per host, its kv heads split as the rows' are
+        heads = NamedSharding(host, PartitionSpec(*shard[2].spec[1:]))
+        kv = jax.ShapeDtypeStruct((cfg.num_kv_heads, P, cfg.head_dim), dtype, sharding=heads)
+        shared = SharedKV((kv,) * cfg.num_layers, (kv,) * cfg.num_layers,
+                          jax.ShapeDtypeStruct((P,), jnp.int32, sharding=NamedSharding(host, PartitionSpec())))
+        segment = [*shared.k, *shared.v, shared.pos]
     out["sampler_resident"]["kv_cache"] = _bytes_per_device(
-        [*cache.k, *cache.v, cache.slot_pos], [*[shard[2]] * (2 * len(cache.k)), shard[1]])
+        [*cache.k, *cache.v, cache.slot_pos, *segment],
+        [*[shard[2]] * (2 * len(cache.k)), shard[1], *[x.sharding for x in segment]])
     params = _with_shardings(values, target)
     unstack = jax.jit(lambda s: nnx.merge(graphdef, s).layers.unstacked()).lower(params).compile()
     layer_params = jax.tree.map(sds, jax.eval_shape(lambda s: nnx.merge(graphdef, s).layers.unstacked(), params),
@@ -270,21 +284,21 @@ def _sampler_programs(setup, cfg, mesh, devices, host_devices, wanted, figures, 
     rows = lambda dt: jax.ShapeDtypeStruct((B,), dt, sharding=shard[0])  # noqa: E731
     # The sampler's chunks (Sampler._chunks, its default byte budget): a fresh cache's first chunk
     # through the fused kernel when there is one, later chunks (and tool outputs) over every slot.
-    chunk = min(S, bucket(sampler_lib.extend_chunk(setup.prefill_chunk, 1 << 30, 16, B, cfg.num_heads, S), 16))
-    fused_first = fused_attention.takes(cfg.attention, False, False, cfg.attn_logit_softcap, cfg.compute_dtype,
-                                        right_padded=False)
+    chunk = min(S, bucket(sampler_lib.extend_chunk(setup.prefill_chunk, 1 << 30, 16, B, cfg.num_heads, S + P), 16))
+    fused_first = not P and fused_attention.takes(cfg.attention, False, False, cfg.attn_logit_softcap,
+                                                  cfg.compute_dtype, right_padded=False)
     extend, decode, take = sampler_lib.jitted_programs(graphdef, host, constrain)
     for name, T, fresh in (("prefill", min(setup.prefill_chunk, S) if fused_first else chunk, fused_first),
                            ("extend", chunk, False)):
         if name in wanted:
             ids = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=shard[1])
-            figures[name] = _figures(*_compile(extend, params, layer_params, cache, ids, ids,
-                                               program=ExtendProgram(B, T, S, fresh=fresh)))
+            figures[name] = _figures(*_compile(extend, params, layer_params, cache, ids, ids, shared,
+                                               program=ExtendProgram(B, T, S, fresh=fresh, shared=P)))
             figures[name]["tokens"] = T
     if "decode" in wanted:
         program = DecodeProgram(batch=B, cache_length=S, max_new=setup.decode_chunk, greedy=False, top_k=0,
                                 top_p=False, with_entropy=False, stop_ids=tuple(cfg.eos_token_ids) or (0,),
-                                stop_states=0, max_context=S)
+                                stop_states=0, max_context=setup.context, shared=P)
         unembed = jax.ShapeDtypeStruct((cfg.vocab_size, cfg.hidden_size), dtype, sharding=replicated)
         scalar = lambda dt: jax.ShapeDtypeStruct((), dt, sharding=shard[3])  # noqa: E731
         keys = jax.ShapeDtypeStruct((B, 2), jnp.uint32, sharding=shard[1])
@@ -292,7 +306,7 @@ def _sampler_programs(setup, cfg, mesh, devices, host_devices, wanted, figures, 
             decode, params, layer_params, unembed, cache, rows(jnp.int32), rows(jnp.int32), rows(jnp.int32), keys,
             rows(jnp.int32), rows(jnp.int32), scalar(jnp.int32), scalar(jnp.bool_), scalar(jnp.float32),
             scalar(jnp.float32), jax.ShapeDtypeStruct((1, cfg.vocab_size), jnp.int32, sharding=replicated),
-            program=program, keep=(keep, "decode")))
+            shared, program=program, keep=(keep, "decode")))
     if "fork" in wanted:
         figures["fork"] = _figures(*_compile(take, rows(jnp.int32), cache, rows(jnp.int32)))
     return out
