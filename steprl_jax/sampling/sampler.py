@@ -563,6 +563,11 @@ class Sampler:
         return jax.device_put(x, self._row_sharding if x.ndim == 1 else NamedSharding(
             self.mesh, PartitionSpec(self._row_sharding.spec[0], *([None] * (x.ndim - 1)))))
 
+    def _put_scalar(self, x: int):
+        """An int32 scalar on the device(s), placed as the cache's index is."""
+        x = np.int32(x)
+        return jnp.asarray(x) if self.mesh is None else jax.device_put(x, self._scalar_sharding)
+
     def batch_bucket(self, n: int) -> int:
         """The batch bucket of `n` rows: programs are compiled per bucket, padding rows fill it."""
         return bucket(n, 1, self._dp)
@@ -698,15 +703,18 @@ class Sampler:
         rows_lists = [lists[i] for i in rows]
         need = sum(self._feed_plan(state, total, batch)[1])  # what `_feed` will write into the copy
         free = int(state.free_slots()[rows].min())
-        if need <= free:
-            small, available = self._ensure_capacity(self.fork(state, rows), need)
-            if available >= need and sum(self._feed_plan(small, total)[1]) == need:
-                start = small.index
+        if need < free:  # (at >= 1: an extend at slot 0 would take the cache for an empty one)
+            # The copy writes at `at` too, into the same free slots of its own rows: it keeps the
+            # cache's length (no growth, no new program shapes), and the slots go back where they were.
+            at = free - need
+            small = self.fork(state, rows)
+            small = dataclasses.replace(small, cache=small.cache._replace(index=self._put_scalar(at)), index=at)
+            if sum(self._feed_plan(small, total)[1]) == need:
                 small = self._append_all(small, rows_lists)
-                if small.index - start == need:
+                if small.index - at == need:
                     clear = np.zeros(state.batch_bucket, bool)
-                    return self._write_rows(state, small, rows, need, src_at=start, clear=clear,
-                                            kind="append-rows", at=free - need)
+                    return self._write_rows(state, small, rows, need, src_at=at, clear=clear, kind="append-rows",
+                                            at=at)
         for _ in range(2):  # making room may change the plan (its chunks depend on the cache length)
             state, available = self._ensure_capacity(state, need)
             if available < need:
