@@ -12,6 +12,7 @@ import dataclasses
 import glob
 import os
 import resource
+import select
 import shutil
 import socket
 import subprocess
@@ -58,14 +59,32 @@ def _uid_of(pid: str) -> int | None:
 
 
 def _parents() -> dict[int, int]:
+    """pid -> parent pid of every live process (a zombie has ended: not listed)."""
     parents = {}
     for p in os.listdir("/proc"):
         try:
             with open(f"/proc/{p}/stat") as f:
-                parents[int(p)] = int(f.read().rsplit(")", 1)[1].split()[1])
+                state, parent = f.read().rsplit(")", 1)[1].split()[:2]
+            if state != "Z":
+                parents[int(p)] = int(parent)
         except (OSError, IndexError, ValueError):
             pass  # ended meanwhile, or not a process
     return parents
+
+
+def _wait_until_ended(pids) -> None:
+    """Block until each of `pids` has exited (a pidfd becomes readable then): no clock involved."""
+    for pid in pids:
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue  # already gone
+        try:
+            poll = select.poll()
+            poll.register(fd, select.POLLIN)
+            poll.poll()
+        finally:
+            os.close(fd)
 
 
 def _cwd(pid: int) -> str:
@@ -105,15 +124,12 @@ def nothing_left_behind(monkeypatch, tmp_path_factory):
     monkeypatch.setattr(tempfile, "tempdir", scratch_root)
     before = _leftovers()
     yield
-    # A killed namespace's init is reaped by the host's init, not by us: wait for it. The bound only
-    # guards against a hang (how soon sandboxes end is timed in benchmarks/sandbox.py, not here).
-    deadline = time.monotonic() + 60.0
-    while True:
-        now = _leftovers()
-        extra = [now[i] - before[i] for i in range(3)]
-        if not any(extra) or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
+    # A killed namespace's init is reaped by the host's init, not by us: wait for the processes to
+    # end (how soon they do is timed in benchmarks/sandbox.py, not here).
+    now = _leftovers()
+    _wait_until_ended((now[0] - before[0]) | (now[1] - before[1]))
+    now = _leftovers()
+    extra = [now[i] - before[i] for i in range(3)]
     shutil.rmtree(scratch_root, ignore_errors=True)
     assert extra == [set(), set(), set()], f"left behind (uid {NOBODY} pids, children, scratch): {extra}"
 
@@ -281,19 +297,21 @@ def test_sleeping_past_the_wall_clock_is_a_timeout(settings):
 
 @needs_uid_drop
 def test_a_sandbox_does_not_outlive_a_killed_caller():
-    # The caller is SIGKILLed while its snippet sleeps: nobody is left to enforce the 1 s deadline,
-    # `timeout` does (2 s after it).
+    # The caller is SIGKILLed while its snippet sleeps (for ~30 years: it never ends by itself): nobody
+    # is left to enforce the 1 s deadline, `timeout` does (2 s after it). How soon: benchmarks/sandbox.py.
     before = _leftovers()
     script = ("from steprl_jax.tools.python_sandbox import SandboxSettings, isolation, run_python\n"
               "settings = SandboxSettings(wall_timeout_s=1.0)\n"
               "isolation(settings)\nprint('probed', flush=True)\n"  # the probe's own sandbox has ended
-              "run_python('import time; time.sleep(1000)', settings)")
+              "run_python('import time; time.sleep(1e9)', settings)")
     caller = subprocess.Popen([sys.executable, "-c", script],
                               env={**os.environ, "PYTHONPATH": ROOT, "TMPDIR": tempfile.gettempdir()},
                               stdout=subprocess.PIPE, text=True)
     try:
         assert caller.stdout.readline() == "probed\n"
-        assert _wait_for(lambda: _leftovers()[0] - before[0], 20.0), "the sandbox never started"
+        while not _leftovers()[0] - before[0]:  # until its sandbox has started (or the caller failed)
+            assert caller.poll() is None, "the caller ended before its sandbox started"
+            time.sleep(0.05)
     finally:
         caller.kill()
         caller.wait()
@@ -305,8 +323,9 @@ def test_a_sandbox_does_not_outlive_a_killed_caller():
     parents = _parents()
     outer = {" ".join(_cmdline(a)[:4]) for pid in left for a in _ancestors(pid, parents)}
     assert f"{_which('timeout')} -s KILL {1.0 + _OUTER_GRACE_S:g}" in outer, outer
-    # It ends (the long wait is only a guard against a hang: the sandbox would sleep 1000 s)
-    assert _wait_for(lambda: not _leftovers()[0] - before[0], 120.0), "the sandbox outlived its caller"
+    # It ends: only a kill ends a snippet that sleeps 1e9 s.
+    _wait_until_ended(left)
+    assert not _leftovers()[0] - before[0], "the sandbox outlived its caller"
     orphans = _leftovers()[2] - before[2]  # the caller could not remove its scratch folder: empty
     assert len(orphans) == 1 and all(os.listdir(folder) == [] for folder in orphans)
     for folder in orphans:
@@ -327,13 +346,6 @@ def _ancestors(pid: int, parents: dict[int, int]) -> list:
         chain.append(pid)
         pid = parents.get(pid, 0)
     return chain
-
-
-def _wait_for(condition, seconds: float):
-    deadline = time.monotonic() + seconds
-    while not (value := condition()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return value
 
 
 # ------------------------------------------------------------------ hostile snippets: output
