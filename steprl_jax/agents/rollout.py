@@ -41,7 +41,7 @@ import numpy as np
 
 from steprl_jax.agents.environments import MAX_RESULT_CHARS, Task, clip_result
 from steprl_jax.agents.records import Step, TreeNode, TreeRecord, Trajectory
-from steprl_jax.sampling.sampler import ContextOverflowError, common_prefix_length
+from steprl_jax.sampling.sampler import ContextOverflowError
 from steprl_jax.training.host_memory import Trimmer
 
 log = logging.getLogger(__name__)
@@ -210,7 +210,7 @@ class RolloutEngine:
         left_of_task = collections.Counter(task.id for _, task in episodes)  # release a task after its last
         rows: list[Optional[Branch]] = []  # the branch on each cache row; None: free
         prompts: dict = {}  # episode index -> (text, ids)
-        state, waiting, admit, prefix = None, [], True, None
+        state, waiting, admit = None, [], True
 
         def start(i, row):
             prompts[i] = self.prompt(episodes[i][1])
@@ -242,13 +242,10 @@ class RolloutEngine:
                     new = [start(i, row) for i, row in zip(take, free if state is not None else range(len(take)))]
                     if state is None:
                         first = [prompts[b.episode][1] for b in new]
-                        state, rows = self.prefill(first), new
-                        # (a state with a shared segment starts the later prompts on it instead)
-                        prefix = self._shared_prefix(first) if queue and state.shared is None else None
+                        state, rows = self.prefill(first), new  # a shared prompt prefix: held once, later ones start on it
                     else:
                         try:
-                            state = self._insert(state, [b.row for b in new], [prompts[b.episode][1] for b in new],
-                                                 prefix)
+                            state = self._insert(state, [b.row for b in new], [prompts[b.episode][1] for b in new])
                             for b in new:
                                 rows[b.row] = b
                         except ContextOverflowError:  # the cache is full: wait until an episode ends
@@ -294,31 +291,15 @@ class RolloutEngine:
         self.stats.shrinks += 1
         return state, rows
 
-    def _shared_prefix(self, prompt_ids: list):
-        """(ids, one-row state) of the tokens the first prompts share (system prompt, tool list,
-        worked examples), kept for the episodes that start later; None when short."""
-        shortest = min(len(ids) for ids in prompt_ids)
-        n = min(common_prefix_length([np.asarray(ids) for ids in prompt_ids]), shortest - 1)  # a prompt goes beyond it
-        if n < max(1, self.sampler.min_shared_prefix):
-            return None
+    def _insert(self, state, rows: list[int], prompt_ids: list):
         t0 = time.perf_counter()
-        state = self.sampler.prefill([prompt_ids[0][:n]])
-        jax.block_until_ready(state.cache)
-        self.stats.prefill_s += time.perf_counter() - t0
-        self.stats.prefill_tokens += n
-        return list(prompt_ids[0][:n]), state
-
-    def _insert(self, state, rows: list[int], prompt_ids: list, prefix=None):
-        t0 = time.perf_counter()
-        state = self.sampler.insert(state, rows, prompt_ids, prefix=prefix)
+        state = self.sampler.insert(state, rows, prompt_ids)
         jax.block_until_ready(state.cache)  # so that the prefill is timed as prefill
         self.stats.prefill_s += time.perf_counter() - t0
-        known = state.shared_ids.tolist() if state.shared is not None else prefix[0] if prefix is not None else []
-        on_it = [bool(known) and len(p) > len(known) and list(p[:len(known)]) == known for p in prompt_ids]
-        if state.shared is None and not all(on_it):
-            on_it = [False] * len(prompt_ids)  # a kept prefix serves a whole insert or none of it
-        # tokens computed once, before, are not counted again
-        self.stats.prefill_tokens += sum(len(ids) - len(known) * on for ids, on in zip(prompt_ids, on_it))
+        # tokens of the shared segment were computed once, before: not counted again
+        shared = state.shared_length
+        on_it = [shared and len(p) > shared and list(p[:shared]) == state.shared_ids.tolist() for p in prompt_ids]
+        self.stats.prefill_tokens += sum(len(ids) - shared * bool(on) for ids, on in zip(prompt_ids, on_it))
         self.stats.inserts += len(rows)
         return state
 

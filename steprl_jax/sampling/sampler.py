@@ -124,11 +124,21 @@ class SamplerState:
     def free_slots(self) -> np.ndarray:
         return np.zeros(self.num_rows, np.int64) if self.free_below is None else self.free_below
 
+    @property
+    def shared_length(self) -> int:
+        """Tokens in the shared segment (0: none)."""
+        return 0 if self.shared is None else len(self.shared_ids)
+
+    @property
+    def shared_slots(self) -> int:
+        """Slots of the shared segment, which attention reads beside each row's own (0: none)."""
+        return 0 if self.shared is None else self.shared.pos.shape[0]
+
     def slots_held(self) -> np.ndarray:
         """Cache slots each row fills: its tokens but the pending one, less the shared segment's."""
         held = self.lengths - 1
         if self.shared is not None:
-            held = held - len(self.shared_ids) * self.row_shared
+            held = held - self.shared_length * self.row_shared
         return np.maximum(held, 0)
 
     @property
@@ -846,7 +856,7 @@ class Sampler:
             batch=B, cache_length=state.cache_length, max_new=bucket(max(limit, 1), 16),
             greedy=params.greedy, top_k=int(params.top_k), top_p=params.top_p < 1.0,
             with_entropy=params.with_entropy, stop_ids=tuple(sorted(set(stop_ids))), stop_states=states,
-            max_context=self.max_context, shared=0 if state.shared is None else state.shared.pos.shape[0])
+            max_context=self.max_context, shared=state.shared_slots)
         self._note("decode", program)
         keys = self._row_keys(key, n, B)
         weights = self._weights  # the whole call samples with one version
@@ -927,7 +937,7 @@ class Sampler:
             self.prefill(prompts)  # raises the error that names the prompt at fault
         prompts = [np.asarray(p, np.int64).reshape(-1) for p in prompts]
         # Prompts that start with the state's shared segment (and go beyond it) continue it.
-        P = 0 if state.shared is None else len(state.shared_ids)
+        P = state.shared_length
         on = np.asarray([P > 0 and p.size > P and np.array_equal(p[:P], state.shared_ids) for p in prompts])
         if on.any() and not on.all():  # those on the segment, then the others
             # Both must fit before the first is written (a write consumes `state`).
@@ -1069,8 +1079,7 @@ class Sampler:
         """(chunk sizes, their widths in slots, fused first chunk) `_feed` uses for `total` new tokens
         per row of `state` (or of a `batch`-row copy of it)."""
         fresh = state.index == 0 and self._fused_prefill and state.shared is None
-        P = 0 if state.shared is None else state.shared.pos.shape[0]  # attended over beside the slots
-        slots = max(state.cache_length, bucket(state.index + total, self.min_cache_length)) + P
+        slots = max(state.cache_length, bucket(state.index + total, self.min_cache_length)) + state.shared_slots
         return (*self._chunks(total, batch or state.batch_bucket, slots, fresh=fresh), fresh)
 
     def _feed(self, state: SamplerState, feeds: Sequence[np.ndarray], start_positions) -> SamplerState:
@@ -1081,7 +1090,6 @@ class Sampler:
             return state
         B = state.batch_bucket
         sizes, widths, fresh = self._feed_plan(state, total)
-        P = 0 if state.shared is None else state.shared.pos.shape[0]
         state, available = self._ensure_capacity(state, sum(widths))
         if available < sum(widths):  # at the cache cap: no bucket padding
             state, available = self._ensure_capacity(state, total)
@@ -1103,7 +1111,8 @@ class Sampler:
             # Left-pad the chunk: padding slots come before the real tokens.
             ids_c[:, T - chunk:] = ids[:, lo:lo + chunk]
             pos_c[:, T - chunk:] = pos[:, lo:lo + chunk]
-            program = ExtendProgram(B, T, state.cache_length, fresh=index == 0 and fresh, shared=P)
+            program = ExtendProgram(B, T, state.cache_length, fresh=index == 0 and fresh,
+                                    shared=state.shared_slots)
             self._note("extend", program)
             cache = self._extend_jit(weights.params, weights.layers, cache, self._put_rows(ids_c),
                                      self._put_rows(pos_c), state.shared, program=program)
