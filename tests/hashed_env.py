@@ -32,11 +32,10 @@ def tiny_random_policy(seed: int = 7, embed_scale: float = 1.0):
     from flax import nnx
 
     from steprl_jax.models import ModelConfig, Transformer
-    from steprl_jax.models.gguf_io import read_gguf_tokenizer
-    from steprl_jax.models.pretrained import resolve_source
     from steprl_jax.sampling import Sampler
+    from swirl_helpers import smol_tokenizer
 
-    tokenizer = read_gguf_tokenizer(resolve_source("smollm2-135m-instruct"))
+    tokenizer = smol_tokenizer()
     config = ModelConfig.tiny("llama", vocab_size=len(tokenizer), max_position_embeddings=2048,
                               eos_token_ids=(tokenizer.convert_tokens_to_ids("<|im_end|>"),))
     model = Transformer(config, rngs=nnx.Rngs(seed))

@@ -99,7 +99,8 @@ def test_a_faulty_tool_is_an_observation_and_the_episode_goes_on(smol, kind, exp
 @pytest.mark.parametrize("schedule", ["static", "resample"])
 def test_tree_shares_its_prefix_and_converts_to_advantages(smol, schedule):
     model, tokenizer, sampler = smol
-    config = RolloutConfig(max_steps=3, **{**GREEDY, "temperature": 1.0, "batch_size": 8})
+    # 12 new tokens: sampled actions are rarely well formed, their length does not matter here
+    config = RolloutConfig(max_steps=3, **{**GREEDY, "temperature": 1.0, "batch_size": 8, "max_new_tokens": 12})
     engine = RolloutEngine(sampler, tokenizer, _env(), config, seed=3)
     tasks = _tasks(2)
     trees = tree_schedule.run(engine, [(f"tree{i}", t) for i, t in enumerate(tasks)],
@@ -159,17 +160,19 @@ def test_interrupted_run_resumes_to_the_same_records(smol, tmp_path):
     assert (tmp_path / "parts" / "summary.png").stat().st_size > 1000
 
 
-def _tiny_random_model():
-    """(model, tokenizer, sampler): a tiny random llama with the SmolLM2 tokenizer."""
+@pytest.fixture(scope="module")
+def tiny():
+    """(model, tokenizer, sampler): a tiny random llama with the SmolLM2 tokenizer, one sampler for
+    the file's tests (its compiled programs are shared; every test passes its own keys)."""
     from hashed_env import tiny_random_policy
 
     return tiny_random_policy(seed=7)
 
 
-def test_sampled_rollouts_with_a_tiny_random_model_rescore_exactly():
+def test_sampled_rollouts_with_a_tiny_random_model_rescore_exactly(tiny):
     """Temperature sampling on a tiny random model: invalid actions become error observations,
     episodes hit the step cap, and every recorded log-prob is the model's (at that temperature)."""
-    model, tokenizer, sampler = _tiny_random_model()
+    model, tokenizer, sampler = tiny
     rollout = RolloutConfig(max_steps=3, max_new_tokens=12, max_context=2048, temperature=0.8, batch_size=3)
     engine = RolloutEngine(sampler, tokenizer, _env(), rollout, seed=1)
     trajectories = list(engine.run([(f"e{i}", t) for i, t in enumerate(_tasks(3))]))
@@ -187,10 +190,10 @@ def test_sampled_rollouts_with_a_tiny_random_model_rescore_exactly():
 
 
 @pytest.mark.parametrize("schedule", ["static", "resample"])
-def test_two_trees_of_the_same_query_in_one_batch_stay_apart(schedule):
+def test_two_trees_of_the_same_query_in_one_batch_stay_apart(schedule, tiny):
     """An online loop samples queries with replacement: the same task twice in one batch makes two
     trees, each with its own n leaves and its own nodes."""
-    _, tokenizer, sampler = _tiny_random_model()
+    _, tokenizer, sampler = tiny
     rollout = RolloutConfig(max_steps=3, max_new_tokens=6, max_context=2048, temperature=1.0, batch_size=8)
     engine = RolloutEngine(sampler, tokenizer, _env(), rollout, seed=1)
     task = _tasks(1)[0]
@@ -210,10 +213,10 @@ def test_two_trees_of_the_same_query_in_one_batch_stay_apart(schedule):
     assert not {id(n.step) for n in trees[0].nodes} & {id(n.step) for n in trees[1].nodes}
 
 
-def test_static_trees_fill_to_n_leaves():
+def test_static_trees_fill_to_n_leaves(tiny):
     """Static forks fill the tree to n leaves: partly at a configured depth where a whole f-way fork
     would overshoot, and past the last configured depth when branches finished early."""
-    _, tokenizer, sampler = _tiny_random_model()
+    _, tokenizer, sampler = tiny
     rollout = RolloutConfig(max_steps=4, max_new_tokens=6, max_context=2048, temperature=1.0, batch_size=8)
     engine = RolloutEngine(sampler, tokenizer, _env(), rollout, seed=1)
     (tree,) = tree_schedule.run(engine, [("a", _tasks(1)[0])], TreeSettings(n=6, f=2, fork_depths=(1, 2, 3)), seed=0)
@@ -256,26 +259,26 @@ def _same_records(a, b, atol):
 
 
 def test_continuous_batching_records_equal_the_batch_engines(smol):
-    """Greedy on the real model, 7 episodes on 3 rows: the continuous engine (rows handed to waiting
+    """Greedy on the real model, 5 episodes on 2 rows: the continuous engine (rows handed to waiting
     episodes, decoding in short calls) records exactly what the batch-at-a-time engine records."""
     _, tokenizer, sampler = smol
-    tasks = [(f"e{i}", t) for i, t in enumerate(_tasks(7, seed=3))]
+    tasks = [(f"e{i}", t) for i, t in enumerate(_tasks(5, seed=3))]
     runs = {}
     for continuous in (False, True):
-        config = RolloutConfig(max_steps=3, **{**GREEDY, "batch_size": 3}, continuous=continuous, decode_chunk=8)
+        config = RolloutConfig(max_steps=3, **{**GREEDY, "batch_size": 2}, continuous=continuous, decode_chunk=8)
         engine = RolloutEngine(sampler, tokenizer, _env([_jittery_calculator(int(continuous))]), config)
         runs[continuous] = list(engine.run(tasks))
         engine.close()
     # Float32 sums over differently laid-out caches differ in the last bits: the rescoring tolerance.
     _same_records(runs[True], runs[False], atol=1e-4)
-    assert engine.stats.inserts == 4  # 7 episodes on 3 rows: 4 started in freed rows
+    assert engine.stats.inserts == 3  # 5 episodes on 2 rows: 3 started in freed rows
     # The worked examples every prompt starts with are computed once, not per inserted episode.
     assert engine.stats.prefill_tokens < sum(len(t.prompt_ids) for t in runs[True]) - 3 * 100
     assert any(s.tool_calls for t in runs[True] for s in t.steps)
     assert len({len(s.action_ids) for t in runs[True] for s in t.steps}) > 1  # actions of different lengths
 
 
-def test_continuous_sampling_depends_on_the_episode_not_the_schedule():
+def test_continuous_sampling_depends_on_the_episode_not_the_schedule(tiny):
     """Temperature sampling on a tiny random model: per-episode keys make the continuous engine
     (actions split over calls of 5 tokens, rows reused) sample what the batch engine samples.
 
@@ -284,7 +287,7 @@ def test_continuous_sampling_depends_on_the_episode_not_the_schedule():
     draw lands within float32 rounding of a boundary between adjacent tokens often enough that
     the two engines' differently shaped matmuls (last-bit differences) flipped a draw on an AVX2
     host at temperature 1."""
-    _, tokenizer, sampler = _tiny_random_model()
+    _, tokenizer, sampler = tiny
     tasks = [(f"e{i}", t) for i, t in enumerate(_tasks(5))]
     runs = {}
     for continuous in (False, True):
