@@ -7,7 +7,8 @@
 # Resumable after any interruption: every run resumes in its own workdir (under --root) and a
 # finished one is skipped; what the tables read is kept under --results, a small tree meant to be
 # committed, so that a table can grow over several machines; the tables are written there again
-# from whatever has finished (a row reports the seeds it has); --tables-only writes them and runs
+# from whatever has finished, every seed on record whatever --seeds says (a row reports the seeds
+# it has); --tables-only writes them and runs
 # nothing. The seed varies training only: the held-out questions are the same for every seed
 # (`task.seed`), so rows pair by question and seed (python -m steprl_jax.evaluation.seeds: each
 # seed's value, the seed mean, 95% intervals over questions and seeds, paired differences).
@@ -75,10 +76,16 @@ main() {  # main --config=FILE OVERRIDES...: a run, the command line's overrides
   shift
   python -m steprl_jax.main "$config" --config.progress=False "$@" ${EXTRA[@]+"${EXTRA[@]}"}
 }
+table_seeds() {  # the seeds a table reads: those of this invocation and every seed already finished
+  { printf '%s\n' "${SEEDS[@]}"
+    find "${RESULTS:-$ROOT}/$TABLE" -type d -name 'seed[0-9]*' 2>/dev/null | sed 's|.*/seed||'
+  } | sort -nu
+}
 table() {  # the seeds table; where results are kept it reads and writes there (its paths under ROOT moved)
   local args=() a
   for a in "$@"; do [ -z "$RESULTS" ] || a=${a//"$ROOT/"/$RESULTS/}; args+=("$a"); done
-  python -m steprl_jax.evaluation.seeds --seeds "${SEEDS[@]}" "${args[@]}"
+  # every seed on record, not only this invocation's: `--seeds 2` adds a seed to the tables
+  python -m steprl_jax.evaluation.seeds --seeds $(table_seeds) "${args[@]}"
 }
 FAILED=()
 failed() {  # failed WORKDIR: a run that stopped with an error; the others go on, the tables say n/a
@@ -237,9 +244,10 @@ best_filter() {  # the filter whose SWiRL row has the best seed-mean accuracy in
   python - "${RESULTS:-$ROOT}/swirl/$1/table.json" <<'EOF'
 import json, sys
 rows = json.load(open(sys.argv[1]))["rows"]
-scored = [(r["accuracy"]["value"], name[7:-1]) for name, r in rows.items()
+# a tie goes to process, the paper's filter
+scored = [(r["accuracy"]["value"], name[7:-1] == "process", name[7:-1]) for name, r in rows.items()
           if name.startswith("SWiRL (") and r.get("accuracy")]
-print(max(scored)[1] if scored else "process")
+print(max(scored)[2] if scored else "process")
 EOF
 }
 

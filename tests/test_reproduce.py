@@ -91,11 +91,13 @@ def test_tables_only_runs_nothing_and_tables_what_is_kept(tmp_path):
     metrics = ("accuracy", "tool_steps", "unanswerable", "format_reward")
     _evaluation(f"{kept}/warm_start/eval/iter_00000.metrics.json", 2, metrics)
     _evaluation(f"{kept}/portool/seed1/eval/iter_00008.metrics.json", 5, metrics)  # nothing else has run
-    out = _reproduce("portool", tmp_path, "--tables-only")
+    _evaluation(f"{kept}/portool/seed2/eval/iter_00008.metrics.json", 6, metrics)  # an earlier `--seeds 2`
+    out = _reproduce("portool", tmp_path, "--tables-only")  # --seeds 0 1
     assert out.returncode == 0, out.stderr
     assert not (tmp_path / "runs").exists()
     table = json.loads((kept / "table.json").read_text())["rows"]
-    assert table["portool"]["seeds"] == [1] and table["grpo"]["seeds"] == []
+    # every seed on record is tabled, not only the invocation's
+    assert table["portool"]["seeds"] == [1, 2] and table["grpo"]["seeds"] == []
 
 
 def test_methods_runs_only_those_named_and_tables_every_method(tmp_path):
