@@ -29,6 +29,8 @@
 # queries; accuracy, tool-call steps, unanswerable rate, formatting reward, each method's paired
 # difference from the warm start, from GRPO and from PORTool. --methods runs only the methods named (e.g.
 # `--methods portool grpo` for the main comparison's seeds first); the tables still show every method.
+# --filters (swirl) runs only the filters named at the table's 32 questions (e.g. `--filters process`,
+# the paper's, for a seed's main row first); the tables still show every filter.
 #
 # Disk: a finished run keeps its records, evaluations and metrics; its checkpoints and policies
 # are removed once its evaluations (transfer's too) are written.
@@ -37,7 +39,7 @@
 # CURVE_TASKS the tasks it runs on.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-usage() { echo "usage: bash launch/reproduce.sh swirl|portool [--seeds S ...] [--methods M ...] [--root DIR] [--results DIR] [--tables-only] [-- OVERRIDES ...]" >&2; exit 2; }
+usage() { echo "usage: bash launch/reproduce.sh swirl|portool [--seeds S ...] [--methods M ...] [--filters F ...] [--root DIR] [--results DIR] [--tables-only] [-- OVERRIDES ...]" >&2; exit 2; }
 [ $# -ge 1 ] || usage
 TABLE=$1
 shift
@@ -48,6 +50,7 @@ RESULTS=${RESULTS-results/reproduce}
 TABLES_ONLY=""
 EXTRA=()
 METHODS=()
+RUN_FILTERS=()
 PORTOOL_METHODS=(portool grpo grpo_fm dapo arpo arpo_fm gigpo tree_grpo portool_gamma0.9 portool_gamma1.0)
 while [ $# -gt 0 ]; do
   case $1 in
@@ -55,6 +58,8 @@ while [ $# -gt 0 ]; do
              [ ${#SEEDS[@]} -gt 0 ] || { echo "reproduce.sh: --seeds needs at least one integer" >&2; usage; } ;;
     --methods) shift; while [ $# -gt 0 ] && [[ $1 != -* ]]; do METHODS+=("$1"); shift; done
                [ ${#METHODS[@]} -gt 0 ] || { echo "reproduce.sh: --methods needs at least one name" >&2; usage; } ;;
+    --filters) shift; while [ $# -gt 0 ] && [[ $1 != -* ]]; do RUN_FILTERS+=("$1"); shift; done
+               [ ${#RUN_FILTERS[@]} -gt 0 ] || { echo "reproduce.sh: --filters needs at least one name" >&2; usage; } ;;
     --root) [ $# -ge 2 ] || usage; ROOT=$2; shift 2 ;;
     --results) [ $# -ge 2 ] || usage; RESULTS=$2; shift 2 ;;
     --tables-only) TABLES_ONLY=1; shift ;;
@@ -68,6 +73,13 @@ for m in ${METHODS[@]+"${METHODS[@]}"}; do
     echo "reproduce.sh: unknown method '$m' for --methods (${PORTOOL_METHODS[*]})" >&2; usage; }
 done
 [ ${#METHODS[@]} -gt 0 ] || METHODS=("${PORTOOL_METHODS[@]}")
+SWIRL_FILTERS=(none process outcome process_outcome process_step)
+for f in ${RUN_FILTERS[@]+"${RUN_FILTERS[@]}"}; do
+  [ "$TABLE" = swirl ] || { echo "reproduce.sh: --filters applies to the swirl table only" >&2; usage; }
+  [[ " ${SWIRL_FILTERS[*]} " == *" $f "* ]] || {
+    echo "reproduce.sh: unknown filter '$f' for --filters (${SWIRL_FILTERS[*]})" >&2; usage; }
+done
+[ ${#RUN_FILTERS[@]} -gt 0 ] || RUN_FILTERS=("${SWIRL_FILTERS[@]}")
 [ -n "${NO_VENV:-}" ] || . launch/_env.sh
 export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR-$HOME/.cache/steprl_jax/jax}
@@ -133,7 +145,7 @@ restore() {  # restore WORKDIR FILE...: the kept FILEs the workdir lacks
 
 # ----------------------------------------------------------------------------- SWiRL
 SWIRL_TASKS=(arithmetic gsm8k)
-FILTERS=(none process outcome process_outcome process_step)
+FILTERS=("${SWIRL_FILTERS[@]}")
 SWIRL_METRICS=(accuracy process_correctness reference_process_correctness mean_actions)
 K=2  # trajectories collected per training question (swirl.samples_per_question)
 swirl_config() { echo "configs/swirl_$1.py"; }
@@ -256,7 +268,7 @@ run_swirl() {
   for task in "${SWIRL_TASKS[@]}"; do
     swirl_base "$task"
     for seed in "${SEEDS[@]}"; do
-      swirl_filters "$task" "$seed" 32 filter,train,sft,eval "${FILTERS[@]}"
+      swirl_filters "$task" "$seed" 32 filter,train,sft,eval "${RUN_FILTERS[@]}"
     done
     swirl_table "$task"
   done

@@ -66,6 +66,25 @@ def test_swirl_runs_kept_under_results_are_skipped_and_tabled(tmp_path):
     assert (tmp_path / "runs" / "swirl" / "gsm8k" / "seed1" / "outcome" / "eval" / "swirl.json").exists()
 
 
+def test_filters_runs_only_those_named_and_tables_every_filter(tmp_path):
+    kept = tmp_path / "results" / "swirl"
+    for task in ("arithmetic", "gsm8k"):
+        _evaluation(f"{kept}/{task}/base/eval/base.json", 1)
+        for seed in (0, 1):
+            for filter_ in FILTERS:
+                if (seed, filter_) != (1, "outcome"):  # seed 1's outcome run is missing: not run
+                    _evaluation(f"{kept}/{task}/seed{seed}/{filter_}/eval/sft.json", 2)
+                    _evaluation(f"{kept}/{task}/seed{seed}/{filter_}/eval/swirl.json", 3)
+    for pair in ("arithmetic_on_gsm8k", "gsm8k_on_arithmetic"):
+        for seed in (0, 1):
+            _evaluation(f"{kept}/transfer/{pair}/seed{seed}/eval/swirl.json", 2)
+    out = _reproduce("swirl", tmp_path, "--filters", "process", "none")
+    assert out.returncode == 0, out.stderr
+    assert _started_runs(tmp_path) == []
+    table = json.loads((kept / "gsm8k" / "table.json").read_text())["rows"]
+    assert table["SWiRL (outcome)"]["seeds"] == [0] and table["SWiRL (process)"]["seeds"] == [0, 1]
+
+
 def test_portool_runs_kept_under_results_are_skipped_and_no_warm_start_is_made(tmp_path):
     kept = tmp_path / "results" / "portool"
     metrics = ("accuracy", "tool_steps", "unanswerable", "format_reward")
@@ -119,8 +138,10 @@ def test_methods_runs_only_those_named_and_tables_every_method(tmp_path):
     ("portool", ["--methods", "ppo"], "reproduce.sh: unknown method 'ppo' for --methods (portool grpo"),
     ("portool", ["--methods", "--seeds", "0"], "reproduce.sh: --methods needs at least one name"),
     ("swirl", ["--methods", "portool"], "reproduce.sh: --methods applies to the portool table only"),
+    ("swirl", ["--filters", "oracle"], "reproduce.sh: unknown filter 'oracle' for --filters (none process"),
+    ("portool", ["--filters", "process"], "reproduce.sh: --filters applies to the swirl table only"),
 ])
-def test_bad_methods_are_named_before_anything_runs(tmp_path, table, args, message):
+def test_bad_methods_and_filters_are_named_before_anything_runs(tmp_path, table, args, message):
     out = _reproduce(table, tmp_path, *args)
     assert out.returncode == 2 and out.stderr.startswith(message), out.stderr
     assert not (tmp_path / "runs").exists()
