@@ -274,7 +274,9 @@ run_swirl() {
   done
   # the curve: the best filter with fewer and more trajectories (GSM8K only on request: its base
   # answers no question, so its points cost hours and measure nothing)
+  # (CURVE="" leaves the curve out, its table too: the kept points stay tabled as they were)
   for task in ${CURVE_TASKS-arithmetic}; do
+    [ -n "${CURVE-16 64 256}" ] || break
     best=$(best_filter "$task")
     rows=(--row "base=$ROOT/swirl/$task/base/eval/base.json")
     for n in ${CURVE-16 64 256}; do
