@@ -67,18 +67,18 @@ while [ $# -gt 0 ]; do
     *) echo "reproduce.sh: unknown argument '$1'" >&2; usage ;;
   esac
 done
-for m in ${METHODS[@]+"${METHODS[@]}"}; do
-  [ "$TABLE" = portool ] || { echo "reproduce.sh: --methods applies to the portool table only" >&2; usage; }
-  [[ " ${PORTOOL_METHODS[*]} " == *" $m "* ]] || {
-    echo "reproduce.sh: unknown method '$m' for --methods (${PORTOOL_METHODS[*]})" >&2; usage; }
-done
+check_names() {  # check_names FLAG KIND TABLE "ALLOWED ..." NAME...: FLAG belongs to TABLE, each NAME is allowed
+  local flag=$1 kind=$2 table=$3 allowed=$4 name
+  shift 4
+  for name; do
+    [ "$TABLE" = "$table" ] || { echo "reproduce.sh: $flag applies to the $table table only" >&2; usage; }
+    [[ " $allowed " == *" $name "* ]] || { echo "reproduce.sh: unknown $kind '$name' for $flag ($allowed)" >&2; usage; }
+  done
+}
+check_names --methods method portool "${PORTOOL_METHODS[*]}" ${METHODS[@]+"${METHODS[@]}"}
 [ ${#METHODS[@]} -gt 0 ] || METHODS=("${PORTOOL_METHODS[@]}")
 SWIRL_FILTERS=(none process outcome process_outcome process_step)
-for f in ${RUN_FILTERS[@]+"${RUN_FILTERS[@]}"}; do
-  [ "$TABLE" = swirl ] || { echo "reproduce.sh: --filters applies to the swirl table only" >&2; usage; }
-  [[ " ${SWIRL_FILTERS[*]} " == *" $f "* ]] || {
-    echo "reproduce.sh: unknown filter '$f' for --filters (${SWIRL_FILTERS[*]})" >&2; usage; }
-done
+check_names --filters filter swirl "${SWIRL_FILTERS[*]}" ${RUN_FILTERS[@]+"${RUN_FILTERS[@]}"}
 [ ${#RUN_FILTERS[@]} -gt 0 ] || RUN_FILTERS=("${SWIRL_FILTERS[@]}")
 [ -n "${NO_VENV:-}" ] || . launch/_env.sh
 export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}

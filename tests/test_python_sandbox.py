@@ -195,7 +195,8 @@ for path in ['/x', '/usr/x', {os.path.join(sys.prefix, 'x')!r}, '/tmp/fifo']:
 def test_ordinary_snippets(code, status, stdout, error):
     result = run_python(code, QUICK)
     assert (result.status, result.stdout, result.error) == (status, stdout, error), result
-    assert result.final_answer is None and result.duration_s > 0
+    # (how long a call takes, result.duration_s, is benchmarks.sandbox's: sandbox / bare ratio)
+    assert result.final_answer is None
 
 
 def test_final_answer_is_a_builtin_and_the_last_call_wins():
