@@ -280,6 +280,7 @@ FIELDS: dict[str, Field] = {
     "rl.warm_start.learning_rate": positive(jobs=RL),
     **_micro_batching("rl.warm_start", RL),
     "rl.warm_start.max_row_tokens": integer(0, jobs=RL, note="0: no cap"),
+    "rl.warm_start.save_every": integer(1, jobs=RL),
     "rl.portool.w1": number(0, jobs=RL),
     "rl.portool.w2": number(0, jobs=RL),
     "rl.portool.rescale_fork_weight": flag(jobs=RL),

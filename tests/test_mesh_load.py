@@ -150,10 +150,11 @@ def test_a_swirl_run_with_a_mesh_runs_and_collects_what_one_device_collects(fold
 
 
 def test_an_rl_run_with_a_mesh_warm_starts_trains_lora_and_evaluates(folder, tmp_path):
-    """The RL job from a checkpoint folder with a mesh: a one-update SFT warm start (trained on the
-    mesh, exported, loaded back onto it), LoRA adapters with the base as KL reference, the sampler's
-    first parameters through the bridge (first ratio 1: the sampler holds what the trainer holds),
-    held-out evaluation through that sampler, and the export."""
+    """The RL job from a checkpoint folder with a mesh: a two-update SFT warm start (trained on the
+    mesh, a checkpoint after each update, exported, loaded back onto it), LoRA adapters with the
+    base as KL reference, the sampler's first parameters through the bridge (first ratio 1: the
+    sampler holds what the trainer holds), held-out evaluation through that sampler, and the export."""
+    from resume_helpers import checkpoint_steps
     from rl_helpers import VerdictServer, tiny_rl_config
     from steprl_jax.algorithms import online
 
@@ -162,7 +163,7 @@ def test_an_rl_run_with_a_mesh_warm_starts_trains_lora_and_evaluates(folder, tmp
         c = tiny_rl_config(tmp_path, "grpo", server.base_url, iterations=1)
         c.model.source = folder
         c.mesh.data, c.mesh.fsdp = 2, -1
-        c.rl.warm_start.updates, c.rl.warm_start.batch_size = 1, 2
+        c.rl.warm_start.updates, c.rl.warm_start.batch_size, c.rl.warm_start.save_every = 2, 2, 1
         c.rl.eval.num_tasks = 2
         c.lora.rank = 4
         c.rl.grpo.kl_coef = 0.01
@@ -172,7 +173,8 @@ def test_an_rl_run_with_a_mesh_warm_starts_trains_lora_and_evaluates(folder, tmp
     from steprl_jax.training.metrics_log import read_metrics
 
     metrics = read_metrics(str(tmp_path))
-    assert [x["step"] for x in metrics["sft"]] == [1] and [x["step"] for x in metrics["rl"]] == [1]
+    assert [x["step"] for x in metrics["sft"]] == [1, 2] and [x["step"] for x in metrics["rl"]] == [1]
+    assert checkpoint_steps(str(tmp_path), "sft") == [1, 2]  # a warm start killed part way resumes
     first = metrics["rl"][0]
     assert abs(first["first_ratio"] - 1.0) < 1e-5 and first["kl"] == pytest.approx(0.0, abs=1e-6)
     for name in ("sft", "rl"):

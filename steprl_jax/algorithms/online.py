@@ -177,7 +177,7 @@ def warm_start(config, model, tokenizer):
                                   attention_length=float(config.rl.attention_length),
                                   lora=LoraConfig.from_config(config.get("lora")))
         spec = OfflineSpec("sft", rows, build, learner, batch_size=int(w.batch_size), updates=int(w.updates),
-                           save_every=max(1, int(w.updates)))
+                           save_every=int(w.save_every))
         trained = train_offline(spec, model, workdir=config.workdir, seed=int(config.seed),
                                 progress=bool(config.progress), base_source=config.model.source,
                                 mesh=distributed.MeshSpec.from_config(config.get("mesh")))
