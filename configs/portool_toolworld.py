@@ -14,6 +14,8 @@ def get_config(arg=None):
     c.task.num_tasks = 8
     c.task.failure_rate = 0.05
     c.env.format = "tool_call"
+    # The tools every episode offers (and its prompt lists): empty, all 23; a subset must keep
+    # response_gen (the answer). A query whose plan needs a tool left out has no demonstration.
     c.env.tools = ()
     # compact: one line a tool in the system prompt (~1,300 tokens for the 22 tools, ~3,250 as JSON
     # schemas); json: the schemas as the chat template takes them (templates that render tools).

@@ -28,6 +28,7 @@ import os
 from typing import Any, Optional
 
 from steprl_jax.errors import ConfigError
+from steprl_jax.tools.world.tools import TOOL_NAMES as TOOL_WORLD_TOOLS
 
 JOBS = ("evaluate", "swirl", "rl")  # main.JOBS
 EXAMPLES = {"evaluate": "configs/demo.py is an evaluate config",
@@ -163,8 +164,9 @@ FIELDS: dict[str, Field] = {
     "task.search_top_k": integer(1, optional=True),  # hotpotqa
 
     "env.format": text("tags", "tool_call", "code", "code_turns", "flow"),
-    "env.tools": names("calculator", "search", "python",
-                       note="the tag format's tools; the code, code_turns and flow formats' python"),
+    "env.tools": names("calculator", "search", "python", *TOOL_WORLD_TOOLS,
+                       note="the tag format's tools; the code, code_turns and flow formats' python; the "
+                            "tool world's offered tools (empty: all)"),
     # the code formats (agents/code_env.py): runs per response (code), and the Python sandbox's limits
     "env.max_tool_calls": integer(0, optional=True, note="0: no code runs"),
     "env.python.wall_timeout_s": positive(optional=True),

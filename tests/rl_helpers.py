@@ -36,9 +36,15 @@ def judge_http(config, base_url: str) -> None:
     config.judge.outcome.update(dict(timeout_s=10.0, retries=0, backoff_s=0.01, max_backoff_s=0.02))
 
 
+# The tool world's tools the test runs offer, those the plans of their 4 train queries call (an SFT
+# warm start has a demonstration for each): a prompt of ~400 tokens instead of ~1,450 with all 23
+# (a tiny policy's train step and prefill cost grow with it: a run ~3 s shorter).
+TEST_TOOLS = ("geocode", "lookup_fact", "stock_history", "response_gen")
+
+
 def tiny_rl_config(workdir, algorithm: str = "portool", judge_url: str = "", **rl):
     """configs/portool_toolworld.py at test sizes: 2 queries per iteration, n = 4 (f = 2),
-    2 iterations, 12 new tokens, 2 steps, evaluation on 2 held-out queries."""
+    2 iterations, 12 new tokens, 2 steps, 3 tools, evaluation on 2 held-out queries."""
     from configs import portool_toolworld
 
     c = portool_toolworld.get_config()
@@ -46,6 +52,7 @@ def tiny_rl_config(workdir, algorithm: str = "portool", judge_url: str = "", **r
     c.progress = False
     c.algorithm = algorithm
     c.task.num_tasks = 4
+    c.env.tools = TEST_TOOLS
     c.rollout.max_new_tokens = 12
     c.rollout.max_steps = 2
     c.rollout.max_context = 2048
@@ -79,7 +86,8 @@ FORMAT_CONFIGS = {"tool_call": "configs/portool_toolworld.py", "code": "configs/
 # with short frozen replies, sampled (seeded per call): the solution generator's texts differ, and
 # so do their verdicts.
 NO_SIGNAL = ["--config.rl.skip_update_without_signal=False"]
-FORMAT_FLAGS = {"tool_call": ["--config.judge.outcome.retries=0"], "code": ["--config.env.few_shot=0", *NO_SIGNAL],
+TOOLS_FLAG = f"--config.env.tools={TEST_TOOLS!r}"
+FORMAT_FLAGS = {"tool_call": ["--config.judge.outcome.retries=0", TOOLS_FLAG], "code": ["--config.env.few_shot=0", *NO_SIGNAL],
                 "code_turns": NO_SIGNAL,
                 "flow": ["--config.rl.flow_grpo.max_turns=2", "--config.rl.flow_grpo.frozen.max_tokens=8",
                          "--config.rl.flow_grpo.frozen.temperature=1.0"]}
@@ -88,7 +96,7 @@ FORMAT_FLAGS = {"tool_call": ["--config.judge.outcome.retries=0"], "code": ["--c
 def rl_command(algorithm, model_dir, workdir, base_url, iterations: int = 2, eval_tasks: int = 0) -> list:
     """`python -m steprl_jax.main` for online RL at test sizes (2 queries per iteration, n = 4
     (Tree-GRPO: 2 trees of 2 leaves), 12 new tokens, 2 steps, a checkpoint every iteration), on the
-    tool world or, for a method of another format, that format's arithmetic config; the verdict
+    tool world (3 tools) or, for a method of another format, that format's arithmetic config; the verdict
     endpoint at `base_url` judges every outcome; a held-out evaluation of `eval_tasks` queries (0:
     none) every 2 iterations."""
     import sys

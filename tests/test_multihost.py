@@ -19,7 +19,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from resume_helpers import logged_metrics
-from rl_helpers import VerdictServer
+from rl_helpers import TOOLS_FLAG, VerdictServer
 from steprl_jax.models import export_hf
 from swirl_helpers import RewardServer, hand_units, smol_tokenizer, tiny_config, tiny_model, unused_port
 
@@ -105,7 +105,7 @@ def _rl_command(model_dir, base_url):
         "--config.rl.eval.num_tasks=0", f"--config.optimizer.learning_rate={LR}",
         "--config.optimizer.max_grad_norm=0.0", "--config.judge.outcome.kind=http",
         f"--config.judge.outcome.base_url={base_url}", "--config.judge.outcome.model=stub",
-        "--config.judge.outcome.retries=0"]
+        "--config.judge.outcome.retries=0", TOOLS_FLAG]
 
 
 def _trees(folder: str) -> dict:

@@ -18,7 +18,7 @@ import urllib.request
 import pytest
 
 from chat_stub import ChatStub
-from rl_helpers import verdict_reply
+from rl_helpers import TOOLS_FLAG, verdict_reply
 from steprl_jax.models import export_hf
 from swirl_helpers import smol_tokenizer, tiny_model
 
@@ -97,7 +97,7 @@ def test_online_rl_with_http_outcome_judge_never_writes_the_key(setup, tmp_path)
                        "--config.rollout.max_new_tokens=8", "--config.rollout.max_steps=2",
                        "--config.rollout.max_context=2048", "--config.rollout.tree.n=2",
                        "--config.rl.iterations=1", "--config.rl.queries_per_iteration=2", "--config.rl.eval_every=1",
-                       "--config.rl.eval.num_tasks=2", "--config.rl.eval.votes=1",
+                       "--config.rl.eval.num_tasks=2", "--config.rl.eval.votes=1", TOOLS_FLAG,
                        f"--config.judge.cache_dir={tmp_path / 'rl_cache'}", "--config.judge.outcome.votes=1",
                        *_judge("judge.outcome", stub.base_url, "retries=1", "backoff_s=0.01")], env)
     finally:

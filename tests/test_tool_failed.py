@@ -55,6 +55,7 @@ def test_only_a_tool_failure_makes_a_trajectory_tool_failed(results, kinds, fail
 def test_the_toolworld_outcome_rule_uses_the_same_definition(results):
     config = demo.get_config()
     config.task.name, config.task.num_tasks = "toolworld", 1
+    config.env.tools = ()  # every tool of the world (the demo's calculator is not one of them)
     suite = build_suite(config)
     task = suite.tasks[0]
     declined_after = lambda kinds: suite.outcome_rule(task, _trajectory([results[k] for k in kinds]))

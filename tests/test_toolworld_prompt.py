@@ -15,6 +15,7 @@ from steprl_jax.data.toolworld import execute_plan, toolworld_demonstration
 from steprl_jax.models.chat import compact_tool_line, render_tools
 from steprl_jax.tools.world.generate import generate_world
 from steprl_jax.tools.world.queries import make_splits
+from steprl_jax.tools.protocol import UNKNOWN_TOOL, ToolCall
 from steprl_jax.tools.registry import ToolRegistry
 from steprl_jax.tools.world.tools import make_registry
 from steprl_jax.training.pack import pack
@@ -133,6 +134,49 @@ def test_prompt_tokens_before_and_after(tokenizer):
         assert CALL_SYNTAX in text and '"additionalProperties"' not in text
         assert "<tool_response>" not in text.split("</tools>")[1]  # no demonstrations
         assert text.endswith("<|im_start|>assistant\n")
+
+
+
+SUBSET = ("get_weather", "calculate", "response_gen")
+
+
+def test_a_subset_of_the_tools_is_what_the_prompt_lists_and_the_demonstrations_call(tokenizer):
+    """env.tools: each episode offers those tools only (a shorter prompt); a query whose plan needs
+    another has no expert row; a call to a tool left out is an error observation."""
+    full = prompt_ids(toolworld_config(), tokenizer)
+    config = toolworld_config(tools=SUBSET)
+    config.task.num_tasks = 64
+    suite = build_suite(config, split="train")
+    (text, ids), = prompt_ids_of(suite.env, tokenizer, suite.tasks[:1])
+    tools_part = text.split("</tools>")[0]
+    assert all(f"{name}(" in tools_part for name in SUBSET) and "search_flights(" not in tools_part
+    assert len(ids) < min(len(i) for _, i in full) - 1000  # 3 tools listed instead of 23
+    world, queries = toolworld_queries(config, "train")
+    servable = [q for q in queries if all(c.name in SUBSET for step in q.plan for c in step)]
+    rows = expert_rows(config, tokenizer)
+    assert 0 < len(rows) == len(servable) < len(queries)
+    for row in rows:
+        for segment in row.prefix[1:]:
+            if segment.loss:
+                names = {call["name"] for call in json.loads(
+                    tokenizer.decode(segment.ids).split("<tool_call>")[1].split("</tool_call>")[0])}
+                assert names <= set(SUBSET), names
+    registry = suite.env.registry_for(suite.tasks[0])
+    try:
+        result = registry.execute_one(ToolCall("search_flights", {"origin": "LHR", "destination": "JFK"}))
+    finally:
+        suite.env.release(suite.tasks[0])
+    assert not result.ok and result.error_type == UNKNOWN_TOOL and "get_weather" in result.message
+
+
+@pytest.mark.parametrize("tools, message", [
+    (("get_weather", "teleport", "response_gen"), "['teleport'] are not tool-world tools"),
+    (("get_weather",), "answers through 'response_gen'"),
+])
+def test_a_bad_tool_subset_names_the_field(tools, message):
+    with pytest.raises(Exception, match="config.env.tools") as err:
+        build_suite(toolworld_config(tools=tools))
+    assert message in str(err.value)
 
 
 # ------------------------------------------------------------------ part 2: a 6-step episode fits

@@ -365,6 +365,7 @@ def _toolworld_suite(config) -> TaskSuite:
     from steprl_jax.tools.world.tools import make_registry
 
     world, splits, queries = _toolworld_data(config)
+    offered = _offered_tools(config)
     by_id = {q.id: q for q in queries}
     tasks = [Task(q.id, q.question, q.answer, {"context": _context_line(q)}) for q in queries]
     failure_rate = float(config.task.failure_rate)
@@ -374,11 +375,12 @@ def _toolworld_suite(config) -> TaskSuite:
 
     def registry_for(task: Task) -> ToolRegistry:
         return make_registry(world, by_id[task.id].context, failure_rate=failure_rate, salt=task.id,
-                             latency_s=latency_s)
+                             latency_s=latency_s, names=offered)
 
     # tool_rendering: "json" (the schemas, as the chat template takes them) | "compact" (one line a tool).
     env = ToolCallEnv(registry_factory=registry_for, invalid_action=config.env.invalid_action,
-                      examples=_toolworld_examples(world, splits["train"], int(config.env.few_shot)),
+                      examples=_toolworld_examples(world, [q for q in splits["train"] if _plan_offered(q, offered)],
+                                                   int(config.env.few_shot)),
                       tool_rendering=str(config.env.get("tool_rendering", "json")))
 
     def outcome(task: Task, traj) -> str:
@@ -393,10 +395,34 @@ def _toolworld_suite(config) -> TaskSuite:
         from steprl_jax.data.toolworld import execute_plan
 
         query = by_id[task.id]
+        if not _plan_offered(query, offered):  # its plan calls a tool this run does not offer
+            return None
         results = [[clip_result(r, max_result_chars) for r in step] for step in execute_plan(world, query)]
         return tool_call_demonstration(query.question, query.plan, results)
 
     return TaskSuite(tasks, env, outcome, demonstrate)
+
+
+def _offered_tools(config) -> Optional[tuple]:
+    """`config.env.tools` for the tool world: the tools every episode offers, listed in its prompt
+    (empty: all of them; None is returned). Queries stay as they are: one whose plan needs a tool
+    not offered has no expert demonstration and is answered without it."""
+    from steprl_jax.tools.world.tools import TERMINAL_TOOL, TOOL_NAMES
+
+    offered = tuple(config.env.tools)
+    unknown = [name for name in offered if name not in TOOL_NAMES]
+    if unknown:
+        raise ConfigError(f"config.env.tools: {unknown} are not tool-world tools ({', '.join(TOOL_NAMES)}; "
+                          f"empty: all of them)")
+    if offered and TERMINAL_TOOL not in offered:
+        raise ConfigError(f"config.env.tools: a tool-world episode answers through {TERMINAL_TOOL!r}: list it "
+                          f"too (empty: all the tools)")
+    return offered or None
+
+
+def _plan_offered(query, offered: Optional[tuple]) -> bool:
+    """Whether every call of the query's reference plan is to an offered tool."""
+    return offered is None or all(call.name in offered for step in query.plan for call in step)
 
 
 def _toolworld_examples(world, train_queries, k: int) -> list[list[dict]]:

@@ -424,6 +424,7 @@ _SPECS: list[tuple[str, str, dict, list[str] | None]] = [
     (TERMINAL_TOOL, "Give the final answer to the user. Ends the episode.",
      {"answer": {"type": "string", "maxLength": 4000}}, None),
 ]
+TOOL_NAMES = tuple(spec[0] for spec in _SPECS)  # the answer tool, response_gen, last
 
 
 def _failure_draw(seed: int, salt: str, name: str, arguments: dict) -> float:
@@ -432,10 +433,14 @@ def _failure_draw(seed: int, salt: str, name: str, arguments: dict) -> float:
 
 
 def make_tools(world: World, context: EpisodeContext, failure_rate: float = 0.0, salt: str = "",
-               latency_s: tuple[float, float] = (0.0, 0.0)) -> list[Tool]:
-    """All tools for one episode. `failure_rate` in [0, 1] makes service tools return `tool_failure`;
-    `latency_s` (lo, hi): each call takes a duration drawn from [lo, hi] (a function of the call, as
-    the failures are), as a remote service would; the calls' timeout grows with it."""
+               latency_s: tuple[float, float] = (0.0, 0.0), names=None) -> list[Tool]:
+    """The tools of one episode: all of them, or those in `names` (in the world's order).
+    `failure_rate` in [0, 1] makes service tools return `tool_failure`; `latency_s` (lo, hi): each
+    call takes a duration drawn from [lo, hi] (a function of the call, as the failures are), as a
+    remote service would; the calls' timeout grows with it."""
+    unknown = sorted(set(names or ()) - set(TOOL_NAMES))
+    if unknown:
+        raise ValueError(f"unknown tool-world tools {unknown} (the world's: {', '.join(TOOL_NAMES)})")
     if not 0.0 <= failure_rate <= 1.0:
         raise ValueError(f"failure_rate must be in [0, 1], got {failure_rate}")
     lo, hi = (float(x) for x in latency_s)
@@ -444,6 +449,8 @@ def make_tools(world: World, context: EpisodeContext, failure_rate: float = 0.0,
     bound = _Bound(world, context)
     tools = []
     for name, description, properties, required in _SPECS:
+        if names and name not in names:
+            continue
         fn: Callable = getattr(bound, name)
         if name in SERVICE_TOOLS and failure_rate > 0:
             fn = _failing(fn, name, world.seed, salt, failure_rate)
@@ -471,5 +478,7 @@ def _failing(fn: Callable, name: str, seed: int, salt: str, rate: float) -> Call
 
 
 def make_registry(world: World, context: EpisodeContext, failure_rate: float = 0.0, salt: str = "",
-                  default_timeout_s: float = 5.0, latency_s: tuple[float, float] = (0.0, 0.0)) -> ToolRegistry:
-    return ToolRegistry(make_tools(world, context, failure_rate, salt, latency_s), default_timeout_s=default_timeout_s)
+                  default_timeout_s: float = 5.0, latency_s: tuple[float, float] = (0.0, 0.0),
+                  names=None) -> ToolRegistry:
+    return ToolRegistry(make_tools(world, context, failure_rate, salt, latency_s, names),
+                        default_timeout_s=default_timeout_s)
