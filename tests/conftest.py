@@ -38,22 +38,22 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # keeps this order (by default it sorts files by their number of tests). Files not listed follow
 # in their usual order; re-measure when a file's cost changes much.
 LONGEST_FILES_FIRST = (
-    "test_rl_resume.py",        # 360 s
-    "test_rollout.py",          # 350
-    "test_kill_anywhere.py",    # 278
-    "test_multihost.py",        # 266
-    "test_mesh_load.py",        # 129
-    "test_async_rl.py",         # 107
-    "test_train_step.py",       # 95
-    "test_sampling.py",         # 93
-    "test_sampling_smollm2.py",  # 82
-    "test_pack.py",             # 82
-    "test_main_job.py",         # 81
-    "test_tree_attention.py",   # 72
-    "test_flow_grpo.py",        # 70
-    "test_secrets.py",          # 68
-    "test_swirl.py",            # 65
-    "test_models_smollm2.py",   # 60
+    "test_rollout.py",          # 372 s
+    "test_rl_resume.py",        # 304
+    "test_multihost.py",        # 233
+    "test_kill_anywhere.py",    # 222
+    "test_sampling.py",         # 199
+    "test_mesh_load.py",        # 130
+    "test_async_rl.py",         # 124
+    "test_train_step.py",       # 120
+    "test_sampling_smollm2.py",  # 96
+    "test_swirl.py",            # 79
+    "test_main_job.py",         # 78
+    "test_pack.py",             # 75
+    "test_flow_grpo.py",        # 68
+    "test_models_smollm2.py",   # 61
+    "test_reproduce.py",        # 60
+    "test_tree_attention.py",   # 55
 )
 
 
