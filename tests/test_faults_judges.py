@@ -238,8 +238,8 @@ def test_retry_after_is_honoured(judged):
                 gaps.append(following["arrived"] - this["answered"])
     print("gaps after 429 (s):", sorted(round(g, 2) for g in gaps))
     assert len(gaps) == len(delays)
+    # the wait chosen is bounded above (delays, from the backend's log); the endpoint saw it kept
     assert min(gaps) >= RETRY_AFTER_S
-    assert max(gaps) < RETRY_AFTER_S + 5.0  # not the 30 s a server would ask, nor a runaway backoff
 
 
 CASES = ["capped", "date", "short", "zero", "past"]
@@ -256,15 +256,21 @@ def test_retry_after_is_capped_read_as_a_date_and_not_exceeded(case):
     backoff_s, max_backoff_s = {"capped": (0.01, 0.3), "date": (0.01, 5.0), "short": (0.05, 30.0),
                                 "zero": (1.0, 30.0), "past": (1.0, 30.0)}[case]
     endpoint = FaultyEndpoint(retry_after=value, script={0: "429"})
+    retries, logger = _Retries(), logging.getLogger("steprl_jax.judges.http_backend")
+    logger.addHandler(retries)
     try:
         backend = HttpChatBackend(endpoint.base_url, "stub", timeout_s=TIMEOUT_S, retries=1, backoff_s=backoff_s,
                                   max_backoff_s=max_backoff_s)
         messages = [{"role": "user", "content": "[ep0] <predicted>\n1\n</predicted> <answer_key>\n1\n</answer_key>"}]
         assert backend.chat(messages, 1, 0.0, 5) == ["Verdict: YES"]
     finally:
+        logger.removeHandler(retries)
         endpoint.close()
+    # The wait the backend chose (its log line), not the measured gap: a loaded host stretches the
+    # gap, never the choice; the endpoint saw the retry no sooner than chosen.
+    ((_, delay),) = retries.records
+    low, high = {"capped": (0.3, 0.33), "date": (0.9, 2.2), "short": (1.0, 1.1), "zero": (0.5, 1.1),
+                 "past": (0.5, 1.1)}[case]
+    assert low <= delay <= high, delay
     first, second = endpoint.log
-    gap = second["arrived"] - first["answered"]
-    low, high = {"capped": (0.3, 5.0), "date": (0.9, 2.5), "short": (1.0, 4.0), "zero": (0.5, 4.0),
-                 "past": (0.5, 4.0)}[case]
-    assert low <= gap < high, gap
+    assert second["arrived"] - first["answered"] >= delay
