@@ -44,14 +44,13 @@ LONGEST_FILES_FIRST = (
     "test_kill_anywhere.py",    # 222
     "test_sampling.py",         # 199
     "test_mesh_load.py",        # 130
+    "test_models_smollm2.py",   # ~125 (with the sampler tests, one reference load)
     "test_async_rl.py",         # 124
     "test_train_step.py",       # 120
-    "test_sampling_smollm2.py",  # 96
     "test_swirl.py",            # 79
     "test_main_job.py",         # 78
     "test_pack.py",             # 75
     "test_flow_grpo.py",        # 68
-    "test_models_smollm2.py",   # 61
     "test_reproduce.py",        # 60
     "test_tree_attention.py",   # 55
 )

@@ -30,10 +30,10 @@ GREEDY = dict(temperature=0.0, max_new_tokens=24, max_context=1024, batch_size=4
 
 @pytest.fixture(scope="module")
 def smol():
-    from steprl_jax.models import load_pretrained
+    from models_real import smollm2
     from steprl_jax.sampling import Sampler
 
-    model, tokenizer = load_pretrained("smollm2-135m-instruct")
+    model, tokenizer = smollm2()  # shared with the other real-model files this process runs
     return model, tokenizer, Sampler(model, tokenizer, max_context=1024)
 
 
@@ -47,8 +47,14 @@ def _env(tools=None):
 
 
 def _rescore(model, ids):
-    hidden = model.hidden_states(jnp.asarray([ids[:-1]]))
-    return np.asarray(token_logprobs(hidden, model.unembedding(), jnp.asarray([ids[1:]])))[0]
+    """The model's log-prob of each of ids[1:]. Right-padded to a multiple of 256 tokens, so that
+    trajectories of different lengths share one compiled program (causal: padding after a
+    position changes nothing at it)."""
+    n = len(ids) - 1
+    inputs, targets = np.zeros((2, 1, -(-n // 256) * 256), np.int32)
+    inputs[0, :n], targets[0, :n] = ids[:-1], ids[1:]
+    hidden = model.hidden_states(jnp.asarray(inputs))
+    return np.asarray(token_logprobs(hidden, model.unembedding(), jnp.asarray(targets)))[0, :n]
 
 
 def test_records_reproduce_the_models_logprobs(smol):

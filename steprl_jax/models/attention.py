@@ -67,12 +67,23 @@ def tree_mask(xp, valid_bt, segments_bt=None, node_bt=None, end_bt=None):
     return mask
 
 
-def key_block_table(valid_bt: np.ndarray, node_bt: np.ndarray, end_bt: np.ndarray,
-                    multiple: int = 4) -> Optional[np.ndarray]:
+def key_block_count(needed: int) -> int:
+    """The M a table whose query blocks need at most `needed` key blocks is given: the next of 4,
+    6, 8, 12, 16, 24, 32, ... (two per doubling). Each M is one more compiled train step, and the
+    trees of an online run need a different count almost every iteration: rounding up to a
+    multiple of 4 compiled the step again in most iterations (a 7B step takes minutes to
+    compile); this ladder gathers at most 1.5x the blocks needed and compiles a few times a run."""
+    m = 4
+    while m < needed:
+        m = m * 3 // 2 if m & (m - 1) == 0 else m * 4 // 3
+    return m
+
+
+def key_block_table(valid_bt: np.ndarray, node_bt: np.ndarray, end_bt: np.ndarray) -> Optional[np.ndarray]:
     """`key_blocks` [B, Q, M] of packed tree rows (host-side; `tree_mask`'s arguments): the
     queries of row b's query block i see keys in the KEY_BLOCK-token blocks key_blocks[b, i, :c]
-    only (ascending), followed by blocks they see nothing of. M is the largest c, rounded up to
-    `multiple` (fewer distinct shapes to compile). None when that saves nothing over
+    only (ascending), followed by blocks they see nothing of. M is the largest c, rounded up by
+    `key_block_count` (few distinct shapes to compile). None when that saves nothing over
     `causal_attention`'s plain blocks."""
     B, T = valid_bt.shape
     block = query_block(T)
@@ -85,7 +96,7 @@ def key_block_table(valid_bt: np.ndarray, node_bt: np.ndarray, end_bt: np.ndarra
     # Visible blocks (key False) first, then the hidden ones in order. The mask is causal, so
     # query block i's first (i + 1) * block / KEY_BLOCK entries are the blocks before its end.
     order = np.argsort(~seen, axis=-1, kind="stable")
-    M = -(-max(int(seen.sum(-1).max()), 1) // multiple) * multiple
+    M = key_block_count(int(seen.sum(-1).max()))
     if M * KEY_BLOCK >= T - block:  # gathers only where fewer than the plain blocks: none here
         return None
     return np.ascontiguousarray(order[:, :, :M]).astype(np.int32)
