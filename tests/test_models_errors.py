@@ -161,3 +161,80 @@ def test_gguf_unknown_field(tiny, tmp_path):
     path = _write_gguf(tiny, tmp_path / "odd.gguf", extra_fields=[("llama.expert_count", 8)])
     with pytest.raises(ConfigError, match="odd.gguf.*'llama.expert_count'"):
         load_pretrained(path)
+
+
+def _reader_fields(path):
+    """gguf.GGUFReader's view of a file's metadata, as plain Python values (the reference)."""
+    fields = {}
+    for name, field in gguf.GGUFReader(path).fields.items():
+        value = field.contents()
+        fields[name] = value.item() if isinstance(value, np.generic) else value
+    return {k: v for k, v in fields.items() if k not in ("GGUF.tensor_count", "GGUF.kv_count")}
+
+
+def _same_as_reader(path):
+    from steprl_jax.models.gguf_file import read_gguf
+
+    metadata, tensors = read_gguf(path)
+    assert metadata == _reader_fields(path)
+    reference = gguf.GGUFReader(path).tensors
+    assert [t.name for t in tensors] == [t.name for t in reference]
+    for ours, theirs in zip(tensors, reference):
+        assert ours.tensor_type == theirs.tensor_type and ours.shape == tuple(int(d) for d in theirs.shape)
+        assert ours.data.dtype == theirs.data.dtype and ours.data.shape == theirs.data.shape, ours.name
+        np.testing.assert_array_equal(ours.data, theirs.data)
+    return metadata, tensors
+
+
+def test_gguf_container_reads_what_the_gguf_package_reads(tmp_path):
+    """Every value type, arrays of numbers and strings, a non-default alignment, plain and
+    block-quantized tensors: the same metadata and tensor views as gguf.GGUFReader."""
+    path = str(tmp_path / "all.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_uint32("general.alignment", 64)
+    for add, key, value in [(writer.add_uint8, "t.u8", 200), (writer.add_int8, "t.i8", -5),
+                            (writer.add_uint16, "t.u16", 60_000), (writer.add_int16, "t.i16", -300),
+                            (writer.add_int32, "t.i32", -70_000), (writer.add_float32, "t.f32", 0.1),
+                            (writer.add_bool, "t.bool", True), (writer.add_uint64, "t.u64", 2 ** 40),
+                            (writer.add_int64, "t.i64", -2 ** 40), (writer.add_float64, "t.f64", 0.1),
+                            (writer.add_string, "t.str", "wörld <|im_end|>")]:
+        add(key, value)
+    writer.add_array("t.ints", [1, -2, 3])
+    writer.add_array("t.floats", [0.5, 1.5])
+    writer.add_array("t.strings", ["a", "", "日本"])
+    rng = np.random.default_rng(0)
+    writer.add_tensor("plain", rng.normal(size=(3, 64)).astype(np.float32))
+    writer.add_tensor("half", rng.normal(size=(2, 32)).astype(np.float16))
+    q8 = gguf.quants.quantize(rng.normal(size=(4, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("q8", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    metadata, tensors = _same_as_reader(path)
+    assert metadata["t.bool"] is True and metadata["t.strings"] == ["a", "", "日本"] and metadata["t.i64"] == -2 ** 40
+    assert [t.data.shape for t in tensors] == [(3, 64), (2, 32), (4, 68)]  # Q8_0: 2 blocks of 34 bytes a row
+
+
+def test_gguf_container_of_the_real_checkpoint():
+    """SmolLM2's GGUF (Q4_1, Q8_0 and F32 tensors, a 49,152-token vocabulary and its merges)."""
+    from steprl_jax.models.pretrained import resolve_source
+
+    metadata, _ = _same_as_reader(resolve_source("smollm2-135m-instruct"))
+    assert len(metadata["tokenizer.ggml.tokens"]) == 49152
+
+
+def test_gguf_container_bad_files(tiny, tmp_path):
+    from steprl_jax.models.gguf_file import read_gguf
+
+    good = open(_write_gguf(tiny, tmp_path / "tiny.gguf"), "rb").read()
+    cases = {"empty": (b"", "empty"), "magic": (b"GGML" + good[4:], "not a GGUF file"),
+             "version": (good[:4] + (7).to_bytes(4, "little") + good[8:], "version 7 is not supported"),
+             "big_endian": (good[:4] + (3).to_bytes(4, "big") + good[8:], "big-endian"),
+             "header": (good[:200], "truncated GGUF file"),
+             "data": (good[:-16], "past the file's end")}
+    for name, (data, message) in cases.items():
+        path = tmp_path / f"{name}.gguf"
+        path.write_bytes(data)
+        with pytest.raises(CheckpointError, match=f"{name}.gguf.*{message}"):
+            read_gguf(str(path))

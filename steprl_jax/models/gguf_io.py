@@ -14,11 +14,12 @@ Anything in the metadata we do not understand is refused, naming the file and fi
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
 from steprl_jax.models.config import ConfigError, ModelConfig
+from steprl_jax.models.gguf_file import read_gguf
 from steprl_jax.models.loading import CheckpointError
 
 SUPPORTED_ARCHS = ("llama", "gemma3")
@@ -68,21 +69,16 @@ class GGUFCheckpoint:
     """One opened GGUF file: `hf_config`, `config`, `tensor_names` (HF) and `fetch(hf_name)`."""
 
     def __init__(self, path: str):
-        import gguf
-
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path}: no such GGUF file")
         self.path = path
-        try:
-            self.reader = gguf.GGUFReader(path)
-        except Exception as e:  # the gguf package raises bare ValueError/struct errors
-            raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from None
-        self.metadata = {name: _field_value(field) for name, field in self.reader.fields.items()
+        self.fields, tensors = read_gguf(path)  # every field, the tokenizer's too (read_gguf_tokenizer)
+        self.metadata = {name: value for name, value in self.fields.items()
                          if not name.startswith("tokenizer.ggml.") or name.endswith("_id")}
         self.arch = self.metadata.get("general.architecture")
         if self.arch not in SUPPORTED_ARCHS:
             raise ConfigError(f"{path}: unsupported GGUF architecture {self.arch!r}; supported: {SUPPORTED_ARCHS}")
-        self._tensors = {t.name: t for t in self.reader.tensors}
+        self._tensors = {t.name: t for t in tensors}
         self.hf_config = self._hf_config()
         self.config = ModelConfig.from_hf(self.hf_config, source=path)
         self._hf_to_gguf = self._map_names()
@@ -242,31 +238,22 @@ def _unpermute_rows(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _field_value(field) -> Any:
-    value = field.contents()
-    if isinstance(value, np.generic):
-        return value.item()
-    return value
-
-
 def _short(value) -> str:
     text = repr(value)
     return text if len(text) < 80 else text[:77] + "..."
 
 
-def read_gguf_tokenizer(path: str, reader=None):
+def read_gguf_tokenizer(path: str, metadata: Optional[dict] = None):
     """The Hugging Face tokenizer described by a GGUF file's metadata, built without torch.
 
     transformers' own `gguf_file=` path imports torch; its tokenizer converters do
-    not, so we feed them the metadata read with the `gguf` package. Pass an open
-    `gguf.GGUFReader` to avoid parsing the file twice (slow for large vocabularies).
+    not, so we feed them the metadata read by `gguf_file.read_gguf`. Pass the file's
+    metadata when it is already read (`GGUFCheckpoint.fields`).
     """
-    import gguf
     from transformers.integrations.gguf.gguf_tokenizer_mapping import (
         GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer)
 
-    reader = reader if reader is not None else gguf.GGUFReader(path)
-    metadata = {name: _field_value(field) for name, field in reader.fields.items()}
+    metadata = metadata if metadata is not None else read_gguf(path)[0]
     if "tokenizer.ggml.tokens" not in metadata:
         raise CheckpointError(f"{path}: GGUF file carries no tokenizer (field 'tokenizer.ggml.tokens')")
     arch = metadata["general.architecture"]

@@ -86,7 +86,7 @@ def load_pretrained(source: str, dtype=None, compute_dtype: Optional[str] = None
         tokenizer = _hf_tokenizer(path)
     else:
         checkpoint = GGUFCheckpoint(path)
-        tokenizer = read_gguf_tokenizer(path, checkpoint.reader)  # before the weights: a file without a vocabulary fails fast
+        tokenizer = read_gguf_tokenizer(path, checkpoint.fields)  # before the weights: a file without a vocabulary fails fast
         config = checkpoint.config
         if compute_dtype:
             config = config.replace(compute_dtype=compute_dtype)
