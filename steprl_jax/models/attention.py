@@ -72,7 +72,9 @@ def key_block_count(needed: int) -> int:
     6, 8, 12, 16, 24, 32, ... (two per doubling). Each M is one more compiled train step, and the
     trees of an online run need a different count almost every iteration: rounding up to a
     multiple of 4 compiled the step again in most iterations (a 7B step takes minutes to
-    compile); this ladder gathers at most 1.5x the blocks needed and compiles a few times a run."""
+    compile); this ladder gathers at most 1.5x the blocks needed and compiles a few times a run.
+    On the packed-training benchmark's trees (15 sizes and seeds) it computes 0-27% more
+    attention logits than multiples of 4 (14% on average), and one count where those gave 36-40."""
     m = 4
     while m < needed:
         m = m * 3 // 2 if m & (m - 1) == 0 else m * 4 // 3
