@@ -50,7 +50,9 @@ def test_a_lazy_upward_import_breaks_the_layers(tmp_path):
 
 
 def test_a_cycle_inside_one_layer_breaks_the_acyclic_contract(tmp_path):
-    root = _copy(tmp_path)  # training imports sampling; sampling importing training closes a cycle
+    root = _copy(tmp_path)  # one layer: training importing sampling and sampling importing training
+    _append(root, "steprl_jax.training.pack",
+            "def _one_way():\n    from steprl_jax.sampling import params  # noqa: F401\n")
     _append(root, "steprl_jax.sampling.params",
             "def _cycle():\n    from steprl_jax.training import step  # noqa: F401\n")
     run = lint(root)

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from steprl_jax.ops.matmul import einsum_f32
+from steprl_jax.shapes import bucket
 
 MASKED = -1e30  # finite, so a fully masked (padding) query row gives no NaN
 
@@ -69,16 +70,13 @@ def tree_mask(xp, valid_bt, segments_bt=None, node_bt=None, end_bt=None):
 
 def key_block_count(needed: int) -> int:
     """The M a table whose query blocks need at most `needed` key blocks is given: the next of 4,
-    6, 8, 12, 16, 24, 32, ... (two per doubling). Each M is one more compiled train step, and the
-    trees of an online run need a different count almost every iteration: rounding up to a
-    multiple of 4 compiled the step again in most iterations (a 7B step takes minutes to
-    compile); this ladder gathers at most 1.5x the blocks needed and compiles a few times a run.
-    On the packed-training benchmark's trees (15 sizes and seeds) it computes 0-27% more
+    6, 8, 12, 16, 24, 32, ... (`shapes.bucket`, two per doubling). Each M is one more compiled
+    train step, and the trees of an online run need a different count almost every iteration:
+    rounding up to a multiple of 4 compiled the step again in most iterations (a 7B step takes
+    minutes to compile); this gathers at most 1.5x the blocks needed and compiles a few times a
+    run. On the packed-training benchmark's trees (15 sizes and seeds) it computes 0-27% more
     attention logits than multiples of 4 (14% on average), and one count where those gave 36-40."""
-    m = 4
-    while m < needed:
-        m = m * 3 // 2 if m & (m - 1) == 0 else m * 4 // 3
-    return m
+    return bucket(needed, 4)
 
 
 def key_block_table(valid_bt: np.ndarray, node_bt: np.ndarray, end_bt: np.ndarray) -> Optional[np.ndarray]:

@@ -7,6 +7,8 @@ from typing import Optional
 
 import numpy as np
 
+from steprl_jax.shapes import bucket  # noqa: F401  (the sampler's buckets; re-exported)
+
 FINISH_REASONS = ("running", "stop", "eos", "length", "context")
 RUNNING, STOP, EOS, LENGTH, CONTEXT = range(5)
 
@@ -79,15 +81,6 @@ class Generation:
     # between two calls of a continued row shows where it landed
     versions: Optional[np.ndarray] = None
     stop_state: int = 0  # the stop-string automaton's state, for continuing a `running` row
-
-
-def bucket(n: int, minimum: int = 1, multiple: int = 1) -> int:
-    """Smallest value >= n of the form 2^k or 3 * 2^(k-1), at least `minimum`, rounded up to
-    a multiple of `multiple`: at most 1.5x padding and two programs per octave."""
-    n = max(int(n), int(minimum), 1)
-    p = 1 << (n - 1).bit_length()  # next power of two
-    b = p if p == 1 or 3 * p // 4 < n else 3 * p // 4
-    return -(-b // multiple) * multiple
 
 
 @dataclasses.dataclass(frozen=True)

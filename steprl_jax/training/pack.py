@@ -36,7 +36,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from steprl_jax.models.attention import CAUSAL_QUERY_BLOCK, key_block_table
-from steprl_jax.sampling.params import bucket
+from steprl_jax.shapes import bucket
 from steprl_jax.training.batch import Batch, make_batch
 
 
