@@ -232,6 +232,7 @@ def test_gguf_container_bad_files(tiny, tmp_path):
              "version": (good[:4] + (7).to_bytes(4, "little") + good[8:], "version 7 is not supported"),
              "big_endian": (good[:4] + (3).to_bytes(4, "big") + good[8:], "big-endian"),
              "header": (good[:200], "truncated GGUF file"),
+             "utf8": (good.replace(b"llama", b"ll\xffma", 1), "not UTF-8"),
              "data": (good[:-16], "past the file's end")}
     for name, (data, message) in cases.items():
         path = tmp_path / f"{name}.gguf"

@@ -54,8 +54,12 @@ class _Cursor:
         if self.pos + n > len(self.buf):
             raise CheckpointError(f"{self.path}: truncated GGUF file (a string of {n} bytes at byte {self.pos})")
         raw = self.buf[self.pos:self.pos + n]
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise CheckpointError(f"{self.path}: a GGUF string at byte {self.pos} is not UTF-8 ({e.reason})") from None
         self.pos += n
-        return raw.decode("utf-8", errors="replace")
+        return text
 
     def numbers(self, fmt: str, count: int) -> list:
         size = struct.calcsize(fmt) * count
