@@ -38,21 +38,21 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # keeps this order (by default it sorts files by their number of tests). Files not listed follow
 # in their usual order; re-measure when a file's cost changes much.
 LONGEST_FILES_FIRST = (
-    "test_rollout.py",          # 372 s
-    "test_rl_resume.py",        # 304
-    "test_multihost.py",        # 233
-    "test_kill_anywhere.py",    # 222
-    "test_sampling.py",         # 199
-    "test_mesh_load.py",        # 130
-    "test_models_smollm2.py",   # ~125 (with the sampler tests, one reference load)
-    "test_async_rl.py",         # 124
-    "test_train_step.py",       # 120
-    "test_swirl.py",            # 79
-    "test_main_job.py",         # 78
-    "test_pack.py",             # 75
-    "test_flow_grpo.py",        # 68
-    "test_reproduce.py",        # 60
-    "test_tree_attention.py",   # 55
+    "test_rollout.py",          # 458 s
+    "test_rl_resume.py",        # 333
+    "test_multihost.py",        # 307
+    "test_kill_anywhere.py",    # 298
+    "test_sampling.py",         # 230
+    "test_models_smollm2.py",   # 151 (with the sampler tests: one transformers reference)
+    "test_train_step.py",       # 136
+    "test_mesh_load.py",        # 124
+    "test_async_rl.py",         # 117
+    "test_swirl.py",            # 81
+    "test_main_job.py",         # 81
+    "test_pack.py",             # 78
+    "test_flow_grpo.py",        # 66
+    "test_reproduce.py",        # 66
+    "test_tree_attention.py",   # 61
 )
 
 
