@@ -225,7 +225,8 @@ def _sampler_programs(setup, cfg, mesh, devices, host_devices, wanted, figures, 
     from steprl_jax.models.sharding import LOGICAL_AXIS_RULES, state_shardings
     from steprl_jax.models.transformer import KVCache, SharedKV, Transformer
     from steprl_jax.sampling import sampler as sampler_lib
-    from steprl_jax.sampling.params import DecodeProgram, ExtendProgram, bucket
+    from steprl_jax.sampling.params import DecodeProgram, ExtendProgram
+    from steprl_jax.shapes import bucket
     from steprl_jax.training.distributed import host_split_spec
 
     groups = {}  # the devices of each host (process)

@@ -1,4 +1,5 @@
-"""Sampling parameters, per-call results, and the shape buckets of the compiled programs."""
+"""Sampling parameters, per-call results, and the static descriptions of the compiled programs
+(their sizes are `shapes.bucket`s)."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,8 +7,6 @@ import math
 from typing import Optional
 
 import numpy as np
-
-from steprl_jax.shapes import bucket  # noqa: F401  (the sampler's buckets; re-exported)
 
 FINISH_REASONS = ("running", "stop", "eos", "length", "context")
 RUNNING, STOP, EOS, LENGTH, CONTEXT = range(5)

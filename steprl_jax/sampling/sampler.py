@@ -85,7 +85,8 @@ from steprl_jax.ops.logprobs import scaled_logits, stats_from_scaled_logits
 from steprl_jax.sampling import stop as stop_lib
 from steprl_jax.sampling.params import (
     CONTEXT, EOS, FINISH_REASONS, LENGTH, RUNNING, STOP, DecodeProgram, ExtendProgram, Generation,
-    SamplingParams, bucket)
+    SamplingParams)
+from steprl_jax.shapes import bucket
 
 log = logging.getLogger(__name__)
 
