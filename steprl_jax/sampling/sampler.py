@@ -428,6 +428,36 @@ def jitted_programs(graphdef, mesh, constrain) -> tuple:
     return extend, decode, jax.jit(functools.partial(_take_rows_impl, constrain))
 
 
+class _Programs(NamedTuple):
+    extend: Any
+    decode: Any
+    take_rows: Any
+    resize: Any
+    clear: Any
+    write_rows: Any
+    compact: Any
+    unstack: Any
+    segment: Any
+
+
+@functools.lru_cache(maxsize=16)
+def _shared_programs(graphdef, mesh, shardings: Optional[tuple]) -> _Programs:
+    """Every jitted program of a sampler over `graphdef` on `mesh` (`shardings`: its
+    `cache_shardings`, None without a mesh). Shared by the samplers of one architecture in a
+    process (an evaluation's, a SWiRL stage's, a server's), so that a new sampler neither traces
+    nor compiles again what an earlier one already did: jit caches live on the jitted function."""
+    constrain = _identity if shardings is None else functools.partial(constrain_cache, shardings)
+    extend, decode, take_rows = jitted_programs(graphdef, mesh, constrain)
+    return _Programs(
+        extend, decode, take_rows,
+        resize=jax.jit(functools.partial(_resize_impl, constrain), static_argnums=0),
+        clear=jax.jit(functools.partial(_clear_impl, constrain), donate_argnums=1),
+        write_rows=jax.jit(functools.partial(_write_rows_impl, constrain), static_argnums=0, donate_argnums=(1, 2)),
+        compact=jax.jit(functools.partial(_compact_impl, constrain), static_argnums=0),
+        unstack=jax.jit(lambda state: nnx.merge(graphdef, state).layers.unstacked()),
+        segment=jax.jit(SharedKV.from_row, static_argnums=(1, 2)))
+
+
 # ----------------------------------------------------------------------------- the sampler
 class Sampler:
     """Prefill / generate / append / fork over a `Transformer`, with bucketed, jitted programs.
@@ -498,18 +528,12 @@ class Sampler:
         if mesh is not None:
             self._dp, sh = data_parallel(mesh, rules), cache_shardings(mesh, rules, self.config.num_kv_heads)
             self._row_sharding, self._row2_sharding, self._kv_sharding, self._scalar_sharding = sh
-            constrain = functools.partial(constrain_cache, sh)
         else:
-            self._dp = 1
-            constrain = _identity
-        self._extend_jit, self._decode_jit, self._take_rows_jit = jitted_programs(self._graphdef, mesh, constrain)
-        self._resize_jit = jax.jit(functools.partial(_resize_impl, constrain), static_argnums=0)
-        self._clear_jit = jax.jit(functools.partial(_clear_impl, constrain), donate_argnums=1)
-        self._write_rows_jit = jax.jit(functools.partial(_write_rows_impl, constrain), static_argnums=0,
-                                       donate_argnums=(1, 2))
-        self._compact_jit = jax.jit(functools.partial(_compact_impl, constrain), static_argnums=0)
-        self._unstack_jit = jax.jit(lambda state: nnx.merge(self._graphdef, state).layers.unstacked())
-        self._segment_jit = jax.jit(SharedKV.from_row, static_argnums=(1, 2))
+            self._dp, sh = 1, None
+        p = _shared_programs(self._graphdef, mesh, sh)
+        self._extend_jit, self._decode_jit, self._take_rows_jit = p.extend, p.decode, p.take_rows
+        self._resize_jit, self._clear_jit, self._write_rows_jit = p.resize, p.clear, p.write_rows
+        self._compact_jit, self._unstack_jit, self._segment_jit = p.compact, p.unstack, p.segment
         self.set_params(model)
 
     # ------------------------------------------------------------------ parameters
