@@ -69,6 +69,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import threading
+import weakref
 from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import jax
@@ -428,34 +430,39 @@ def jitted_programs(graphdef, mesh, constrain) -> tuple:
     return extend, decode, jax.jit(functools.partial(_take_rows_impl, constrain))
 
 
-class _Programs(NamedTuple):
-    extend: Any
-    decode: Any
-    take_rows: Any
-    resize: Any
-    clear: Any
-    write_rows: Any
-    compact: Any
-    unstack: Any
-    segment: Any
+class _Programs:
+    """Every jitted program of a sampler over one architecture, mesh and cache sharding."""
+
+    __slots__ = ("extend", "decode", "take_rows", "resize", "clear", "write_rows", "compact", "unstack", "segment",
+                 "__weakref__")
+
+    def __init__(self, graphdef, mesh, shardings: Optional[tuple]):
+        constrain = _identity if shardings is None else functools.partial(constrain_cache, shardings)
+        self.extend, self.decode, self.take_rows = jitted_programs(graphdef, mesh, constrain)
+        self.resize = jax.jit(functools.partial(_resize_impl, constrain), static_argnums=0)
+        self.clear = jax.jit(functools.partial(_clear_impl, constrain), donate_argnums=1)
+        self.write_rows = jax.jit(functools.partial(_write_rows_impl, constrain), static_argnums=0,
+                                  donate_argnums=(1, 2))
+        self.compact = jax.jit(functools.partial(_compact_impl, constrain), static_argnums=0)
+        self.unstack = jax.jit(lambda state: nnx.merge(graphdef, state).layers.unstacked())
+        self.segment = jax.jit(SharedKV.from_row, static_argnums=(1, 2))
 
 
-@functools.lru_cache(maxsize=16)
+# The live samplers' programs by (graphdef, mesh, cache shardings): a sampler made while another of
+# the same architecture lives (an evaluation's beside the rollouts', a frozen model's beside the
+# policy's) neither traces nor compiles again what the other did (jit caches live on the jitted
+# functions). Weak: the compiled programs go with the last sampler that uses them.
+_LIVE_PROGRAMS: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+_LIVE_PROGRAMS_LOCK = threading.Lock()
+
+
 def _shared_programs(graphdef, mesh, shardings: Optional[tuple]) -> _Programs:
-    """Every jitted program of a sampler over `graphdef` on `mesh` (`shardings`: its
-    `cache_shardings`, None without a mesh). Shared by the samplers of one architecture in a
-    process (an evaluation's, a SWiRL stage's, a server's), so that a new sampler neither traces
-    nor compiles again what an earlier one already did: jit caches live on the jitted function."""
-    constrain = _identity if shardings is None else functools.partial(constrain_cache, shardings)
-    extend, decode, take_rows = jitted_programs(graphdef, mesh, constrain)
-    return _Programs(
-        extend, decode, take_rows,
-        resize=jax.jit(functools.partial(_resize_impl, constrain), static_argnums=0),
-        clear=jax.jit(functools.partial(_clear_impl, constrain), donate_argnums=1),
-        write_rows=jax.jit(functools.partial(_write_rows_impl, constrain), static_argnums=0, donate_argnums=(1, 2)),
-        compact=jax.jit(functools.partial(_compact_impl, constrain), static_argnums=0),
-        unstack=jax.jit(lambda state: nnx.merge(graphdef, state).layers.unstacked()),
-        segment=jax.jit(SharedKV.from_row, static_argnums=(1, 2)))
+    key = (graphdef, mesh, shardings)
+    with _LIVE_PROGRAMS_LOCK:
+        programs = _LIVE_PROGRAMS.get(key)
+        if programs is None:
+            programs = _LIVE_PROGRAMS[key] = _Programs(graphdef, mesh, shardings)
+        return programs
 
 
 # ----------------------------------------------------------------------------- the sampler
@@ -530,7 +537,7 @@ class Sampler:
             self._row_sharding, self._row2_sharding, self._kv_sharding, self._scalar_sharding = sh
         else:
             self._dp, sh = 1, None
-        p = _shared_programs(self._graphdef, mesh, sh)
+        self._shared = p = _shared_programs(self._graphdef, mesh, sh)  # held: see _LIVE_PROGRAMS
         self._extend_jit, self._decode_jit, self._take_rows_jit = p.extend, p.decode, p.take_rows
         self._resize_jit, self._clear_jit, self._write_rows_jit = p.resize, p.clear, p.write_rows
         self._compact_jit, self._unstack_jit, self._segment_jit = p.compact, p.unstack, p.segment
