@@ -38,21 +38,21 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # keeps this order (by default it sorts files by their number of tests). Files not listed follow
 # in their usual order; re-measure when a file's cost changes much.
 LONGEST_FILES_FIRST = (
-    "test_rollout.py",          # 458 s
-    "test_rl_resume.py",        # 333
-    "test_multihost.py",        # 307
-    "test_kill_anywhere.py",    # 298
-    "test_sampling.py",         # 230
-    "test_models_smollm2.py",   # 151 (with the sampler tests: one transformers reference)
-    "test_train_step.py",       # 136
-    "test_mesh_load.py",        # 124
-    "test_async_rl.py",         # 117
-    "test_swirl.py",            # 81
-    "test_main_job.py",         # 81
-    "test_pack.py",             # 78
-    "test_flow_grpo.py",        # 66
-    "test_reproduce.py",        # 66
-    "test_tree_attention.py",   # 61
+    "test_rollout.py",          # 299 s
+    "test_rl_resume.py",        # 258
+    "test_multihost.py",        # 179
+    "test_kill_anywhere.py",    # 170
+    "test_sampling.py",         # 164
+    "test_mesh_load.py",        # 109
+    "test_train_step.py",       # 103
+    "test_models_smollm2.py",   # 92 (with the sampler tests: one transformers reference)
+    "test_async_rl.py",         # 91
+    "test_main_job.py",         # 76
+    "test_flow_grpo.py",        # 70
+    "test_swirl.py",            # 68
+    "test_pack.py",             # 65
+    "test_reproduce.py",        # 61
+    "test_tree_attention.py",   # 53
 )
 
 
