@@ -192,9 +192,10 @@ def _snippet(raw: bytes) -> str:
     return text[:_MAX_REASON_CHARS]
 
 
-def _retry_after(headers) -> float | None:
-    """Seconds to wait from a Retry-After header: delay-seconds or an HTTP date; None when absent
-    or unreadable (then our own backoff applies)."""
+def _retry_after(headers, now: datetime.datetime | None = None) -> float | None:
+    """Seconds to wait from a Retry-After header: delay-seconds or an HTTP date (counted from
+    `now`, default the current UTC time); None when absent or unreadable (then our own backoff
+    applies)."""
     value = headers.get("Retry-After") if headers is not None else None
     if value is None:
         return None
@@ -208,7 +209,7 @@ def _retry_after(headers) -> float | None:
         return None
     if when.tzinfo is None:  # HTTP dates are GMT
         when = when.replace(tzinfo=datetime.timezone.utc)
-    return max(0.0, (when - datetime.datetime.now(datetime.timezone.utc)).total_seconds())
+    return max(0.0, (when - (now or datetime.datetime.now(datetime.timezone.utc))).total_seconds())
 
 
 def _read_choices(payload: bytes) -> list[str]:
