@@ -92,6 +92,8 @@ def test_the_table_command_reads_rows_by_seed(tmp_path, capsys):
     text = (tmp_path / "table.md").read_text()
     assert "| SWiRL | 2 | 83.3 [" in text and "(66.7, 100.0)" in text and "| 2.00 [2.00, 2.00]" in text
     assert "Paired difference from base" in text and "+0.500" in text
+    assert table["base"]["shared"] and "shared" not in table["SWiRL"]
+    assert "| base | shared | 33.3 [0.0, 100.0] | 2.00 [2.00, 2.00] |" in text  # one evaluation, not three
     assert text in capsys.readouterr().out
 
 

@@ -7,9 +7,9 @@ questions and seeds together; a table of rows (policies) and metrics from their 
         --metrics accuracy process_correctness --out runs/reproduce/swirl/arithmetic/table
 
 Each row's path names one evaluation per seed (`{seed}` is replaced; a path without it is one
-evaluation shared by every seed, e.g. a base model evaluated greedily). An evaluation is a
-metrics JSON of `evaluation.runner.evaluate` whose "ci" holds "per_question" terms. Rows missing
-some seeds are reported over the seeds they have, and say so.
+evaluation shared by every seed, e.g. a base model evaluated greedily: the table's seeds column
+says "shared"). An evaluation is a metrics JSON of `evaluation.runner.evaluate` whose "ci" holds
+"per_question" terms. Rows missing some seeds are reported over the seeds they have, and say so.
 
 The intervals resample the held-out questions and the seeds (a two-level bootstrap: a seed's
 training run and the questions are both random draws); a difference between two rows pairs them
@@ -160,24 +160,29 @@ def pair_table(rows: Mapping[str, Mapping[int, dict]], pairs: Sequence[tuple[str
                             for m in metrics} for a, b in pairs}
 
 
-def _cell(ci: Optional[dict], pct: bool) -> str:
+def _cell(ci: Optional[dict], pct: bool, shared: bool = False) -> str:
+    """Value [interval] (per-seed values); a shared row's one evaluation has no per-seed values."""
     if ci is None:
         return "n/a"
     f = (lambda x: f"{100 * x:.1f}") if pct else (lambda x: f"{x:.2f}")
-    per_seed = ", ".join("-" if v is None else f(v) for v in ci["per_seed"].values())
-    return f"{f(ci['value'])} [{f(ci['lo'])}, {f(ci['hi'])}] ({per_seed})"
+    cell = f"{f(ci['value'])} [{f(ci['lo'])}, {f(ci['hi'])}]"
+    if shared:
+        return cell
+    return cell + " (" + ", ".join("-" if v is None else f(v) for v in ci["per_seed"].values()) + ")"
 
 
 def table_markdown(table: Mapping[str, dict], metrics: Sequence[str], titles: Mapping[str, str],
                    reference: Optional[str] = None, percent: Sequence[str] = (),
                    pairs: Optional[Mapping[str, dict]] = None) -> str:
     """Values (percent for `percent` metrics) with their intervals and per-seed values, then each
-    row's paired difference from `reference`, then the named `pairs` (`pair_table`)."""
+    row's paired difference from `reference`, then the named `pairs` (`pair_table`). A row marked
+    "shared" (one evaluation for every seed) says so in place of its number of seeds."""
     from steprl_jax.evaluation.compare import markdown_rows
 
     titles_ = [titles.get(m, m) for m in metrics]
     lines = markdown_rows(["policy", "seeds", *titles_],
-                          [[name, str(len(row["seeds"])), *(_cell(row[m], m in percent) for m in metrics)]
+                          [[name, "shared" if row.get("shared") else str(len(row["seeds"])),
+                            *(_cell(row[m], m in percent, row.get("shared", False)) for m in metrics)]
                            for name, row in table.items()])
     diffs = [(name, row["diff"]) for name, row in table.items() if "diff" in row]
     if diffs:
@@ -222,6 +227,10 @@ def main(argv=None) -> int:
     percent = args.percent if args.percent is not None else \
         [m for m in args.metrics if m not in ("mean_actions", "tool_steps", "format_reward")]
     table = seed_table(rows, args.metrics, args.reference)
+    for spec in args.row:  # one evaluation stands for every seed: the table must not count it as several
+        name, _, pattern = spec.partition("=")
+        if "{seed}" not in pattern and table[name]["seeds"]:
+            table[name]["shared"] = True
     paired = pair_table(rows, pairs, args.metrics)
     text = table_markdown(table, args.metrics, TITLES, args.reference, percent, paired)
     write_text_atomic(args.out + ".md", text)
