@@ -33,12 +33,10 @@ def test_no_spread_gives_a_point_interval():
     assert ci["value"] == ci["lo"] == ci["hi"] == pytest.approx(0.5)
 
 
-def test_a_single_base_evaluation_pairs_with_every_seed():
-    base = {"q1": (0, 1), "q2": (0, 1), "q3": (1, 1)}  # 1/3
-    diff = seeds.paired_seeds_diff_ci({0: base}, {0: SEED0, 1: SEED1})
-    assert diff["per_seed"] == {"0": pytest.approx(1 / 3), "1": pytest.approx(2 / 3)}
-    assert diff["value"] == pytest.approx(0.5)
-    assert diff["seeds"] == 2
+def test_a_reference_with_fewer_seeds_pairs_with_those_only():
+    # GRPO has run seed 0 so far, PORTool seeds 0 and 1: PORTool's seed 1 has nothing to pair with
+    diff = seeds.paired_seeds_diff_ci({0: SEED0}, {0: SEED0, 1: SEED1})
+    assert diff["seeds"] == 1 and diff["per_seed"] == {"0": pytest.approx(0.0)}
 
 
 def test_seeds_pair_with_their_own_seed_and_unpaired_seeds_are_left_out():
@@ -88,6 +86,8 @@ def test_the_table_command_reads_rows_by_seed(tmp_path, capsys):
     assert table["SWiRL"]["seeds"] == [0, 1]
     assert table["SWiRL"]["accuracy"]["value"] == pytest.approx(5 / 6)
     assert table["SWiRL"]["diff"]["accuracy"]["value"] == pytest.approx(0.5)
+    # the shared base pairs with every seed
+    assert table["SWiRL"]["diff"]["accuracy"]["per_seed"] == {"0": pytest.approx(1 / 3), "1": pytest.approx(2 / 3)}
     assert table["SWiRL"]["mean_actions"]["value"] == pytest.approx(2.0)
     text = (tmp_path / "table.md").read_text()
     assert "| SWiRL | 2 | 83.3 [" in text and "(66.7, 100.0)" in text and "| 2.00 [2.00, 2.00]" in text
@@ -110,6 +110,18 @@ def test_named_pairs_are_paired_by_seed_and_question(tmp_path):
     assert "| SWiRL vs SFT |" in (tmp_path / "t.md").read_text()
     with pytest.raises(SystemExit):
         seeds.main(["--seeds", "0", *rows, "--pair", "SWiRL vs DPO", "--out", str(tmp_path / "t")])
+
+
+def test_a_reference_row_short_of_seeds_pairs_by_seed_in_the_table(tmp_path):
+    _evaluation(tmp_path / "s0" / "grpo.json", SEED0)  # GRPO's seed 1 has not run yet
+    _evaluation(tmp_path / "s0" / "portool.json", SEED0)
+    _evaluation(tmp_path / "s1" / "portool.json", SEED1)
+    assert seeds.main(["--seeds", "0", "1", "--reference", "GRPO", "--row", f"GRPO={tmp_path}/s{{seed}}/grpo.json",
+                       "--row", f"PORTool={tmp_path}/s{{seed}}/portool.json", "--pair", "PORTool vs GRPO",
+                       "--out", str(tmp_path / "t")]) == 0
+    result = json.loads((tmp_path / "t.json").read_text())
+    for diff in (result["rows"]["PORTool"]["diff"]["accuracy"], result["pairs"]["PORTool vs GRPO"]["accuracy"]):
+        assert diff["per_seed"] == {"0": pytest.approx(0.0)} and diff["seeds"] == 1
 
 
 def test_bad_rows_are_named(tmp_path):

@@ -86,12 +86,10 @@ def seeds_ci(by_seed: Mapping[int, Terms], *, seed: int = 0, level: float = 0.95
 
 def paired_seeds_diff_ci(a: Mapping[int, Terms], b: Mapping[int, Terms], *, seed: int = 0,
                          level: float = 0.95) -> Optional[dict]:
-    """b - a over the seeds b holds, paired by seed and question: seed s of b against seed s of a,
-    or against a's only evaluation when `a` has one (a base model shared by every seed). None
-    when nothing pairs."""
-    if len(a) == 1:
-        (only,) = a.values()
-        a = {s: only for s in b}
+    """b - a over the seeds both hold, paired by seed and question: seed s of b against seed s of
+    a. An evaluation shared by every seed (a base model) is held under each seed (`read_row`); a
+    run with fewer seeds so far pairs with those only, never with another seed. None when
+    nothing pairs."""
     seeds = sorted(set(a) & set(b))
     if not seeds:
         return None
