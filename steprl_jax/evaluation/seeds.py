@@ -210,12 +210,14 @@ def main(argv=None) -> int:
                         help="also the paired difference A - B of two rows")
     parser.add_argument("--out", required=True, help="path prefix of the .md and .json outputs")
     args = parser.parse_args(argv)
-    rows = {}
+    rows, shared = {}, set()
     for spec in args.row:
         name, sep, pattern = spec.partition("=")
         if not sep or not name or not pattern:
             parser.error(f"--row {spec!r}: expected NAME=PATH")
         rows[name] = read_row(pattern, args.seeds)
+        if "{seed}" not in pattern:  # one evaluation stands for every seed: not to be counted as several
+            shared.add(name)
     if args.reference is not None and args.reference not in rows:
         parser.error(f"--reference {args.reference!r} is not a row ({', '.join(rows)})")
     pairs = [tuple(p.split(" vs ")) for p in args.pair]
@@ -225,9 +227,8 @@ def main(argv=None) -> int:
     percent = args.percent if args.percent is not None else \
         [m for m in args.metrics if m not in ("mean_actions", "tool_steps", "format_reward")]
     table = seed_table(rows, args.metrics, args.reference)
-    for spec in args.row:  # one evaluation stands for every seed: the table must not count it as several
-        name, _, pattern = spec.partition("=")
-        if "{seed}" not in pattern and table[name]["seeds"]:
+    for name in shared:
+        if table[name]["seeds"]:
             table[name]["shared"] = True
     paired = pair_table(rows, pairs, args.metrics)
     text = table_markdown(table, args.metrics, TITLES, args.reference, percent, paired)
